@@ -1,0 +1,5 @@
+import sys
+
+from spot_dlm.cli import main
+
+sys.exit(main())

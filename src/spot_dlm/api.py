@@ -1,0 +1,179 @@
+"""The Python API: load a target, pick a method, generate from a list of prompts.
+
+from spot_dlm import GenerateConfig, generate, load_target
+target, codec = load_target()                      # the built-in model
+outs = generate(["What is 3 + 4?"], GenerateConfig(method="standard"), target, codec)
+outs[0].text, outs[0].token_ids, outs[0].stats["target_passes"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from spot_dlm.decode import DecodeSettings, DecodeStats, Drafter, NoDrafter, decode_ids
+from spot_dlm.models.base import Target
+from spot_dlm.noise import NoiseKey
+from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
+
+# method name -> (commit rule kind, whether a drafter is used)
+METHOD_RULES: dict[str, str] = {"standard": "one", "threshold": "threshold", "dynamic": "dynamic"}
+DRAFTER_FACTORIES: dict[str, Callable[[GenerateConfig, Target], Drafter]] = {}
+
+
+def register_method(name: str, rule_kind: str, factory: Callable[[GenerateConfig, Target], Drafter]) -> None:
+    """Add a speculative method: a commit-rule kind and a drafter built from the config and target."""
+    METHOD_RULES[name] = rule_kind
+    DRAFTER_FACTORIES[name] = factory
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    method: str = "standard"
+    block_length: int = 32
+    gen_length: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    confidence: str = "prob"
+    tau: float = 0.9  # threshold / dynamic rules
+    min_commits: int = 1  # dynamic rule: commit at least this many per pass
+    stop_at_eos: bool = True
+    budget: int = 16  # speculative methods: draft-tree nodes scored per pass (root included)
+    depth: int = 8  # speculative methods: maximum draft depth
+    apply_template: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in METHOD_RULES:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(sorted(METHOD_RULES))}")
+        if self.block_length < 1:
+            raise ValueError(f"block length must be >= 1, got {self.block_length}")
+        if self.gen_length < 1:
+            raise ValueError(f"gen length must be >= 1, got {self.gen_length}")
+        if self.gen_length % self.block_length:
+            raise ValueError(f"gen length {self.gen_length} is not a multiple of block length {self.block_length}")
+        if self.confidence not in CONFIDENCE_KINDS:
+            raise ValueError(f"unknown confidence {self.confidence!r}; choose one of {', '.join(CONFIDENCE_KINDS)}")
+        if self.budget < 1:
+            raise ValueError(f"budget (draft nodes per pass) must be >= 1, got {self.budget}")
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        self.rule()  # validates temperature, tau, min_commits
+
+    def rule(self) -> CommitRule:
+        return CommitRule(
+            kind=METHOD_RULES[self.method],
+            temperature=self.temperature,
+            confidence=self.confidence,
+            k=self.min_commits,
+            tau=self.tau,
+        )
+
+    def settings(self) -> DecodeSettings:
+        return DecodeSettings(self.rule(), self.block_length, self.gen_length, self.stop_at_eos)
+
+
+@dataclass(frozen=True)
+class Generation:
+    method: str
+    prompt: str
+    token_ids: list[int]  # generated tokens only, cut before the first EOS
+    text: str
+    stats: dict
+    raw_token_ids: list[int] = field(repr=False)  # every decoded block (EOS and after included)
+    commit_step: list[int] = field(repr=False)  # per raw position: rule step inside its block
+    commit_pass: list[int] = field(repr=False)  # per raw position: target passes made before its commit
+
+    @property
+    def target_passes(self) -> int:
+        return self.stats["target_passes"]
+
+
+def load_target(name: str | Path | None = None, scoring: str = "batched", dtype: torch.dtype = torch.float32):
+    """``None`` or ``"builtin"``: the shipped model; otherwise a checkpoint folder of the built-in architecture."""
+    from spot_dlm.models.builtin import builtin_dir, load_builtin_target
+
+    if name is None or str(name) == "builtin":
+        return load_builtin_target(builtin_dir(), scoring=scoring, dtype=dtype)
+    path = Path(name)
+    if not path.exists():
+        raise ValueError(f"unknown model {str(name)!r}: not 'builtin' and no checkpoint folder at {path}")
+    return load_builtin_target(path, scoring=scoring, dtype=dtype)
+
+
+def make_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    factory = DRAFTER_FACTORIES.get(config.method)
+    return NoDrafter() if factory is None else factory(config, target)
+
+
+def encode_prompt(prompt: str, codec, config: GenerateConfig, target: Target) -> torch.Tensor:
+    if not prompt or not prompt.strip():
+        raise ValueError("empty prompt")
+    ids = codec.encode_prompt(prompt) if config.apply_template else codec.encode(prompt)
+    if len(ids) + config.gen_length > target.max_length:
+        raise ValueError(
+            f"prompt of {len(ids)} tokens + gen length {config.gen_length} exceeds the model's "
+            f"{target.max_length}-token context"
+        )
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
+    return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+
+def generate(
+    prompts: Sequence[str],
+    config: GenerateConfig,
+    target: Target,
+    codec,
+    drafter: Drafter | None = None,
+    progress: bool = False,
+    first_request: int = 0,
+) -> list[Generation]:
+    """Decode every prompt (request ``first_request + i`` in the noise key) with the configured method."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    encoded = [encode_prompt(p, codec, config, target) for p in prompts]  # validate all before decoding any
+    drafter = drafter if drafter is not None else make_drafter(config, target)
+    settings = config.settings()
+    results = []
+    for index, (prompt, ids) in enumerate(tqdm(list(zip(prompts, encoded)), disable=not progress, desc=config.method)):
+        raw = decode_ids(target, ids, settings, drafter, NoiseKey(config.seed, first_request + index))
+        raw_ids = raw.token_ids.tolist()
+        token_ids = cut_at_eos(raw_ids, target.eos_id)
+        results.append(
+            Generation(
+                method=config.method,
+                prompt=prompt,
+                token_ids=token_ids,
+                text=codec.decode(token_ids),
+                stats=raw.stats.to_dict(),
+                raw_token_ids=raw_ids,
+                commit_step=raw.commit_step.tolist(),
+                commit_pass=raw.commit_pass.tolist(),
+            )
+        )
+    return results
+
+
+def total_stats(generations: Sequence[Generation]) -> DecodeStats:
+    total = DecodeStats()
+    for g in generations:
+        s = g.stats
+        total.merge(
+            DecodeStats(
+                target_passes=s["target_passes"],
+                query_tokens=s["query_tokens"],
+                wall_seconds=s["wall_seconds"],
+                draft_seconds=s["draft_seconds"],
+                rule_steps=s["rule_steps"],
+                committed_tokens=s["committed_tokens"],
+            )
+        )
+    return total

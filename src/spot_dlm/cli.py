@@ -1,0 +1,158 @@
+"""``spot-dlm`` command line: demo | generate | prepare-data | train-target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spot_dlm.api import METHOD_RULES, GenerateConfig, generate, load_target
+
+
+def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="'builtin' (default) or a checkpoint folder")
+    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument("--gen-length", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise ValueError("give exactly one of --prompt TEXT or --prompts-file FILE")
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise ValueError(f"prompts file not found: {path}")
+        prompts = [line for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"prompts file {path} holds no prompt")
+    else:
+        prompts = [args.prompt]
+    config = GenerateConfig(
+        method=args.method,
+        block_length=args.block_length,
+        gen_length=args.gen_length,
+        temperature=args.temperature,
+        seed=args.seed,
+        tau=args.tau,
+        budget=args.budget,
+        depth=args.depth,
+        stop_at_eos=not args.full_length,
+        apply_template=not args.raw,
+    )
+    target, codec = load_target(args.model)
+    for gen in generate(prompts, config, target, codec, progress=not args.json and len(prompts) > 1):
+        if args.json:
+            record = {
+                "method": gen.method,
+                "prompt": gen.prompt,
+                "token_ids": gen.token_ids,
+                "text": gen.text,
+                "target_passes": gen.target_passes,
+                **{k: v for k, v in gen.stats.items() if k != "target_passes"},
+            }
+            print(json.dumps(record))
+        else:
+            print(
+                f"{gen.text}\n[{gen.method}: {len(gen.token_ids)} tokens, {gen.target_passes} target passes, "
+                f"{gen.stats['wall_seconds']:.2f} s]"
+            )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from spot_dlm.demo import run_demo
+
+    run_demo(
+        args.model,
+        args.methods.split(","),
+        args.block_length,
+        args.gen_length,
+        args.temperature,
+        args.seed,
+        None if args.no_plot else Path(args.plot),
+    )
+    return 0
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from spot_dlm.train.data import prepare_corpus
+
+    print(prepare_corpus(Path(args.out), n_symbolic=args.n_symbolic, vocab_size=args.vocab_size))
+    return 0
+
+
+def _train_target(args: argparse.Namespace) -> int:
+    from spot_dlm.train.target import TrainConfig, train_target
+
+    config = TrainConfig(
+        out_dir=Path(args.out),
+        corpus_dir=Path(args.corpus),
+        phase=args.phase,
+        minutes=args.minutes,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        snapshot_minutes=args.snapshot_minutes,
+    )
+    print(train_target(config))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spot-dlm", description="Exact speculative decoding for diffusion LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="decode a question on the built-in target and picture the commit order")
+    _add_decoding_options(demo)
+    demo.add_argument("--methods", default="standard", help="comma-separated methods to run side by side")
+    demo.add_argument("--plot", default="spot_demo_commit_order.png")
+    demo.add_argument("--no-plot", action="store_true")
+    demo.set_defaults(func=_demo)
+
+    gen = sub.add_parser("generate", help="generate from prompts")
+    _add_decoding_options(gen)
+    gen.add_argument("--prompt", help="one prompt (a question; the prompt template is applied)")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--method", default="standard", help=f"one of: {', '.join(sorted(METHOD_RULES))}")
+    gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold (threshold, dynamic, spot-sets)")
+    gen.add_argument("--budget", type=int, default=16, help="draft nodes scored per pass (speculative methods)")
+    gen.add_argument("--depth", type=int, default=8, help="maximum draft depth (speculative methods)")
+    gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
+    gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
+    gen.set_defaults(func=_generate)
+
+    prep = sub.add_parser("prepare-data", help="build the tokenizer and token streams for target training")
+    prep.add_argument("--out", default="data_cache/corpus")
+    prep.add_argument("--n-symbolic", type=int, default=100_000)
+    prep.add_argument("--vocab-size", type=int, default=2048)
+    prep.set_defaults(func=_prepare_data)
+
+    train = sub.add_parser("train-target", help="train the built-in target (resumable)")
+    train.add_argument("--out", default="runs/target")
+    train.add_argument("--corpus", default="data_cache/corpus")
+    train.add_argument("--phase", choices=("ar", "bd"), default="ar")
+    train.add_argument("--minutes", type=float, default=60.0)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--threads", type=int, default=2)
+    train.add_argument("--snapshot-minutes", type=float, default=10.0)
+    train.set_defaults(func=_train_target)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"spot-dlm: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The decoding loop: standard, threshold and speculative decoding are one loop with a pluggable drafter.
+
+Per block the loop holds a state ``s`` and the target's logits ``Z(s)``:
+
+1. free commit: ``s1 = step(s, Z(s), noise[c])`` (no pass; ``c`` counts rule steps inside the block);
+2. draft: the drafter proposes a tree of candidate next states rooted at ``s1`` (the no-op drafter proposes the
+   root only, which is standard decoding);
+3. verify: one target pass scores every node;
+4. accept: walk from the root while the rule's true next state is a node of the tree; the deepest accepted node
+   and its logits become ``s`` and ``Z(s)``, and its true next state is the next free commit.
+
+Nothing unverified is kept, so every drafter yields exactly the tokens of the drafter-free loop with the same rule
+and keyed noise. The last commit of a block needs no pass; the finished block is written into the prefix cache
+by the next block's first pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from spot_dlm.models.base import Target
+from spot_dlm.noise import NoiseKey
+from spot_dlm.rules import CommitRule, step
+from spot_dlm.tree import DraftTree, root_only
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter may read: the free-commit root, the stale logits it came from, and the rule's setting."""
+
+    root: torch.Tensor  # int64 [L]: s1, the state after the free commit
+    parent: torch.Tensor  # int64 [L]: s, the state the stale logits were computed on
+    stale_logits: torch.Tensor  # [L, V]: Z(s)
+    root_step: int  # index of the rule step that will be applied to the root
+    block_index: int
+    noise: NoiseKey
+    rule: CommitRule
+    mask_id: int
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: DraftContext) -> DraftTree: ...
+
+
+@dataclass(frozen=True)
+class NoDrafter:
+    """Proposes nothing beyond the free commit: the loop reduces to plain (standard or threshold) decoding."""
+
+    name: str = "none"
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        return root_only(context.root, context.root_step, context.mask_id)
+
+
+@dataclass
+class DecodeStats:
+    target_passes: int = 0
+    query_tokens: int = 0
+    wall_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    rule_steps: int = 0  # rule applications (commits, for one-commit decoding)
+    committed_tokens: int = 0
+    accepted_lengths: Counter = field(default_factory=Counter)  # per verify pass: free commit + accepted nodes
+
+    def merge(self, other: DecodeStats) -> None:
+        self.target_passes += other.target_passes
+        self.query_tokens += other.query_tokens
+        self.wall_seconds += other.wall_seconds
+        self.draft_seconds += other.draft_seconds
+        self.rule_steps += other.rule_steps
+        self.committed_tokens += other.committed_tokens
+        self.accepted_lengths.update(other.accepted_lengths)
+
+    @property
+    def mean_accepted(self) -> float:
+        total = sum(self.accepted_lengths.values())
+        return sum(k * v for k, v in self.accepted_lengths.items()) / total if total else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "target_passes": self.target_passes,
+            "query_tokens": self.query_tokens,
+            "wall_seconds": self.wall_seconds,
+            "draft_seconds": self.draft_seconds,
+            "rule_steps": self.rule_steps,
+            "committed_tokens": self.committed_tokens,
+            "mean_accepted": self.mean_accepted,
+            "accepted_lengths": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
+        }
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    rule: CommitRule
+    block_length: int
+    gen_length: int
+    stop_at_eos: bool = True
+
+
+@dataclass(frozen=True)
+class RawGeneration:
+    token_ids: torch.Tensor  # int64 [G']: every decoded block (G' <= gen_length; less after an EOS stop)
+    commit_step: torch.Tensor  # int64 [G']: rule-step index (inside its block) that committed each position
+    commit_pass: torch.Tensor  # int64 [G']: request pass count when the position was committed
+    stats: DecodeStats
+
+
+@dataclass
+class _BlockTrace:
+    """Per-position record of when a block's positions were committed."""
+
+    step: torch.Tensor  # int64 [L]
+    pass_no: torch.Tensor  # int64 [L]
+
+    def mark(self, before: torch.Tensor, after: torch.Tensor, mask_id: int, step_index: int, pass_no: int) -> int:
+        filled = (before == mask_id) & (after != mask_id)
+        self.step[filled] = step_index
+        self.pass_no[filled] = pass_no
+        return int(filled.sum())
+
+
+def step_noise(
+    key: NoiseKey,
+    block_index: int,
+    steps: tuple[int, ...],
+    block_length: int,
+    vocab_size: int,
+    rule: CommitRule,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Keyed Gumbel noise for nodes at the given rule-step indices: float64 [N, L, V], or None at T = 0."""
+    if not rule.needs_noise:
+        return None
+    unique = sorted(set(steps))
+    table = key.block_gumbel(block_index, torch.tensor(unique), block_length, vocab_size, device)  # [U, L, V]
+    rows = torch.tensor([unique.index(s) for s in steps], device=device)
+    return table[rows]
+
+
+def _apply_rule(
+    states: torch.Tensor,
+    logits: torch.Tensor,
+    steps: tuple[int, ...],
+    settings: DecodeSettings,
+    key: NoiseKey,
+    block_index: int,
+    target: Target,
+) -> torch.Tensor:
+    """The rule's true next state for every node. states [N, L], logits [N, L, V] -> [N, L]"""
+    noise = step_noise(key, block_index, steps, settings.block_length, logits.shape[-1], settings.rule, logits.device)
+    return step(states, logits, noise, settings.rule, target.mask_id).tokens
+
+
+def _accept(tree: DraftTree, next_states: torch.Tensor) -> list[int]:
+    """Acceptance walk by state equality: the accepted node path from the root (root included)."""
+    path = [0]
+    while (child := tree.lookup(next_states[path[-1]], tree.steps[path[-1]] + 1)) is not None:
+        path.append(child)
+    return path
+
+
+def decode_block(
+    target: Target,
+    cache,
+    finished: torch.Tensor | None,
+    block_index: int,
+    settings: DecodeSettings,
+    key: NoiseKey,
+    drafter: Drafter,
+    stats: DecodeStats,
+    first_pass: int,
+) -> tuple[torch.Tensor, object, _BlockTrace]:
+    """Decode one block from all-mask to complete; returns (block [L], cache, trace)."""
+    mask_id, length = target.mask_id, settings.block_length
+    device = getattr(target, "device", torch.device("cpu"))
+    state = torch.full((length,), mask_id, dtype=torch.int64, device=device)
+    trace = _BlockTrace(step=torch.full((length,), -1), pass_no=torch.full((length,), -1))
+    scored = target.score(cache, state[None], finished)
+    cache, logits, step_index = scored.cache, scored.logits[0], 0
+    next_state = _apply_rule(state[None], logits[None], (0,), settings, key, block_index, target)[0]
+
+    def passes() -> int:
+        return target.counter.passes - first_pass
+
+    while True:
+        stats.committed_tokens += trace.mark(state, next_state, mask_id, step_index, passes())
+        stats.rule_steps += 1
+        parent, state, step_index = state, next_state, step_index + 1
+        if not bool((state == mask_id).any()):
+            return state, cache, trace
+        tick = time.perf_counter()
+        tree = drafter.propose(
+            DraftContext(state, parent, logits, step_index, block_index, key, settings.rule, mask_id)
+        )
+        stats.draft_seconds += time.perf_counter() - tick
+        node_logits = target.score(cache, tree.states).logits  # [N, L, V]
+        next_states = _apply_rule(tree.states, node_logits, tree.steps, settings, key, block_index, target)
+        path = _accept(tree, next_states)
+        stats.accepted_lengths[len(path)] += 1
+        for a, b in zip(path, path[1:]):
+            stats.committed_tokens += trace.mark(tree.states[a], tree.states[b], mask_id, tree.steps[a], passes())
+            stats.rule_steps += 1
+        node = path[-1]
+        state, logits, step_index, next_state = (
+            tree.states[node],
+            node_logits[node],
+            tree.steps[node],
+            next_states[node],
+        )
+
+
+def decode_ids(
+    target: Target, prompt_ids: torch.Tensor, settings: DecodeSettings, drafter: Drafter, key: NoiseKey
+) -> RawGeneration:
+    """Decode one prompt block by block (stopping after a block holding EOS when ``stop_at_eos``)."""
+    start_passes, start_tokens = target.counter.snapshot()
+    start_time = time.perf_counter()
+    stats = DecodeStats()
+    cache = target.prefill(prompt_ids)
+    blocks, steps, pass_nos = [], [], []
+    finished = None
+    for block_index in range(settings.gen_length // settings.block_length):
+        finished, cache, trace = decode_block(
+            target, cache, finished, block_index, settings, key, drafter, stats, start_passes
+        )
+        blocks.append(finished)
+        steps.append(trace.step)
+        pass_nos.append(trace.pass_no)
+        if settings.stop_at_eos and bool((finished == target.eos_id).any()):
+            break
+    stats.target_passes = target.counter.passes - start_passes
+    stats.query_tokens = target.counter.query_tokens - start_tokens
+    stats.wall_seconds = time.perf_counter() - start_time
+    return RawGeneration(
+        token_ids=torch.cat(blocks).cpu(), commit_step=torch.cat(steps), commit_pass=torch.cat(pass_nos), stats=stats
+    )

@@ -1,0 +1,98 @@
+"""Keyed Gumbel noise: every random number in decoding is a pure function of its key.
+
+The Gumbel noise of vocabulary entry ``v`` at block position ``j`` in pass ``i`` of block ``k`` of request ``r``
+under seed ``s`` is ``G(s, r, k, i, j, v)``, computed by a counter-based hash (SplitMix64 finaliser) in int64
+tensor arithmetic. Nothing depends on how many numbers were drawn before, so standard decoding and speculative
+decoding see the same noise for the same pass, and any subset of positions can be drawn lazily on any device.
+
+Uniforms carry 53 random bits and are mapped to Gumbel(0, 1) in float64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _signed(value: int) -> int:
+    """Reinterpret an unsigned 64-bit integer as a signed int64 (torch has no uint64 arithmetic)."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix_int(value: int) -> int:
+    """SplitMix64 finaliser on a Python int (used to fold key fields)."""
+    z = (value + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 tensors (torch's ``>>`` is arithmetic on negative values)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser on an int64 tensor; multiplication wraps modulo 2**64 like uint64."""
+    z = x + _signed(_GOLDEN)
+    z = (z ^ _shift_right_logical(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shift_right_logical(z, 27)) * _signed(_MIX2)
+    return z ^ _shift_right_logical(z, 31)
+
+
+def fold_key(*fields: int) -> int:
+    """Fold integer key fields into one 64-bit key (order matters; negative fields are rejected)."""
+    key = 0
+    for field in fields:
+        if field < 0:
+            raise ValueError(f"noise key fields must be >= 0, got {fields}")
+        key = _mix_int(key ^ _mix_int(field))
+    return key
+
+
+def uniform(key: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1) for ``positions`` x ``range(vocab_size)`` under a folded ``key``.
+
+    positions: int64 [P]; returns float64 [P, V] on the positions' device.
+    """
+    device = positions.device
+    pos_key = _mix_tensor(positions.to(torch.int64) ^ _signed(key))  # [P]
+    counters = pos_key[:, None] + torch.arange(vocab_size, device=device, dtype=torch.int64)[None, :]  # [P, V]
+    bits = _shift_right_logical(_mix_tensor(counters), 11)  # 53 random bits, >= 0
+    return (bits.to(torch.float64) + 0.5) * (2.0**-53)
+
+
+def gumbel(key: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise, float64 [P, V], for ``positions`` (int64 [P]) under ``key``."""
+    return -torch.log(-torch.log(uniform(key, positions, vocab_size)))
+
+
+@dataclass(frozen=True)
+class NoiseKey:
+    """Identifies one request's noise stream: ``(seed, request)``; passes and blocks are added per draw."""
+
+    seed: int
+    request: int = 0
+
+    def pass_key(self, block: int, pass_index: int) -> int:
+        """The folded key of pass ``pass_index`` (counted inside the block) of block ``block``."""
+        return fold_key(self.seed, self.request, block, pass_index)
+
+    def gumbel(self, block: int, pass_index: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Gumbel noise float64 [P, V] for the given block positions (int64 [P]) of one pass."""
+        return gumbel(self.pass_key(block, pass_index), positions, vocab_size)
+
+    def block_gumbel(
+        self, block: int, pass_indices: torch.Tensor, block_length: int, vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """Noise for whole blocks at several pass indices: pass_indices int64 [K] -> float64 [K, L, V]."""
+        positions = torch.arange(block_length, device=device)
+        rows = [self.gumbel(block, int(i), positions, vocab_size) for i in pass_indices.tolist()]
+        return torch.stack(rows)

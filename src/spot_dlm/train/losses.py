@@ -1,0 +1,65 @@
+"""Training losses of the built-in target: autoregressive pretraining and block-diffusion fine-tuning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spot_dlm.models.layout import attention_mask, clean_layout, two_stream_layout
+from spot_dlm.models.transformer import BlockDiffusionLM
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    loss: torch.Tensor  # scalar, mean cross-entropy over predicted tokens
+    n_tokens: int  # how many tokens were predicted
+
+
+def autoregressive_loss(model: BlockDiffusionLM, tokens: torch.Tensor) -> LossOutput:
+    """Next-token cross-entropy with clean causal attention. tokens int64 [B, T]"""
+    batch, seq_len = tokens.shape
+    layout = clean_layout(0, seq_len, tokens.device)
+    mask = attention_mask(layout, 0)[None].expand(batch, -1, -1)
+    hidden, _ = model(tokens, layout.positions[None].expand(batch, -1), mask)  # [B, T, d]
+    logits = model.logits(hidden[:, :-1])  # [B, T-1, V]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+    return LossOutput(loss=loss, n_tokens=batch * (seq_len - 1))
+
+
+def mask_blocks(
+    tokens: torch.Tensor, block_length: int, mask_id: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mask each block with its own ratio t ~ U(0, 1). tokens [B, T] -> (noisy [B, T], is_masked bool [B, T])"""
+    batch, seq_len = tokens.shape
+    ratio = torch.rand(batch, seq_len // block_length, 1, generator=generator, device=tokens.device)
+    ratio = ratio.expand(-1, -1, block_length).reshape(batch, seq_len)
+    is_masked = torch.rand(batch, seq_len, generator=generator, device=tokens.device) < ratio
+    return torch.where(is_masked, torch.full_like(tokens, mask_id), tokens), is_masked
+
+
+def block_diffusion_loss(
+    model: BlockDiffusionLM, tokens: torch.Tensor, block_length: int, generator: torch.Generator
+) -> LossOutput:
+    """Masked cross-entropy inside blocks, clean earlier text as context (two-stream input [clean ; noisy]).
+
+    The token at position p is predicted from the hidden state at p - 1: inside a block that is the noisy
+    stream, at a block's first position it is the clean stream (the last token before the block).
+    tokens int64 [B, T] with T a multiple of block_length.
+    """
+    batch, seq_len = tokens.shape
+    noisy, is_masked = mask_blocks(tokens, block_length, model.config.mask_id, generator)
+    layout = two_stream_layout(seq_len, block_length, tokens.device)
+    mask = attention_mask(layout, 0)[None].expand(batch, -1, -1)
+    hidden, _ = model(torch.cat([tokens, noisy], 1), layout.positions[None].expand(batch, -1), mask)  # [B, 2T, d]
+    clean_hidden, noisy_hidden = hidden[:, :seq_len], hidden[:, seq_len:]
+    starts_block = (torch.arange(1, seq_len, device=tokens.device) % block_length == 0)[None, :, None]
+    predictor = torch.where(starts_block, clean_hidden[:, :-1], noisy_hidden[:, :-1])  # predicts positions 1..T-1
+    targets = is_masked[:, 1:]
+    logits = model.logits(predictor[targets])  # [M, V]
+    n_tokens = int(targets.sum())
+    if n_tokens == 0:
+        return LossOutput(loss=hidden.sum() * 0.0, n_tokens=0)
+    loss = F.cross_entropy(logits.float(), tokens[:, 1:][targets])
+    return LossOutput(loss=loss, n_tokens=n_tokens)

@@ -1,0 +1,190 @@
+"""Train the built-in target: autoregressive pretraining, then block-diffusion fine-tuning (the SDAR recipe).
+
+Every run is resumable: it starts from the checkpoint in ``out_dir`` when one exists (weights in 16 bits, the
+optimizer rebuilt with a short warm-up), snapshots every few minutes, and logs held-out loss to
+``train_log.jsonl``. The learning rate follows warm-up then cosine decay over the run's wall-clock budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state, save_checkpoint
+from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
+from spot_dlm.train.losses import LossOutput, autoregressive_loss, block_diffusion_loss
+
+PHASES = ("ar", "bd")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out_dir: Path
+    corpus_dir: Path
+    phase: str = "ar"  # "ar": autoregressive pretraining; "bd": block-diffusion fine-tune
+    minutes: float = 60.0
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    block_lengths: tuple[int, ...] = (4, 8, 16, 32)
+    snapshot_minutes: float = 10.0
+    eval_batches: int = 8
+    threads: int = 2
+    seed: int = 0
+    d_model: int = 256
+    n_layers: int = 6
+    n_heads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"unknown phase {self.phase!r}; choose one of {PHASES}")
+        if self.minutes <= 0:
+            raise ValueError("minutes must be > 0")
+        bad = [b for b in self.block_lengths if self.seq_len % b]
+        if bad:
+            raise ValueError(f"block lengths {bad} do not divide seq_len {self.seq_len}")
+
+
+def learning_rate(config: TrainConfig, step: int, elapsed: float) -> float:
+    """Linear warm-up over steps, then cosine over the run's wall-clock budget down to min_lr_ratio * lr."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = min(1.0, elapsed / (config.minutes * 60.0))
+    ratio = config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return config.lr * ratio
+
+
+def phase_loss(
+    model: BlockDiffusionLM, batch: torch.Tensor, phase: str, block_length: int, generator: torch.Generator
+) -> LossOutput:
+    if phase == "ar":
+        return autoregressive_loss(model, batch)
+    return block_diffusion_loss(model, batch, block_length, generator)
+
+
+def fixed_eval_batches(tokens: np.ndarray, config: TrainConfig) -> list[torch.Tensor]:
+    """Deterministic held-out windows so every evaluation sees the same text."""
+    rng = np.random.default_rng(12345)
+    starts = rng.integers(0, len(tokens) - config.seq_len, size=(config.eval_batches, config.batch_size))
+    return [
+        torch.from_numpy(np.stack([tokens[s : s + config.seq_len] for s in row]).astype(np.int64)) for row in starts
+    ]
+
+
+@torch.no_grad()
+def heldout_loss(model: BlockDiffusionLM, batches: list[torch.Tensor], phase: str) -> float:
+    """Mean held-out loss per predicted token (AR NLL, or block-diffusion masked CE at block 16, fixed masks)."""
+    model.eval()
+    generator = torch.Generator().manual_seed(777)
+    total, count = 0.0, 0
+    for batch in batches:
+        out = phase_loss(model, batch, phase, 16, generator)
+        total += float(out.loss) * out.n_tokens
+        count += out.n_tokens
+    model.train()
+    return total / max(count, 1)
+
+
+def initial_model(config: TrainConfig, vocab_size: int) -> tuple[BlockDiffusionLM, dict]:
+    """Resume from out_dir when it holds a checkpoint; else a fresh model."""
+    if (config.out_dir / "model.safetensors").is_file():
+        model = load_model(config.out_dir, dtype=torch.float32)
+        return model.train(), load_training_state(config.out_dir)
+    model_config = ModelConfig(
+        vocab_size=vocab_size, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads
+    )
+    return BlockDiffusionLM(model_config).train(), {}
+
+
+def train_target(config: TrainConfig) -> Path:
+    """Run one resumable training phase for ``config.minutes`` minutes; returns the checkpoint folder."""
+    from spot_dlm.models.tokenizer import TextCodec
+    from spot_dlm.train.data import pack_batches
+
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    corpus = Path(config.corpus_dir)
+    codec = TextCodec.from_file(corpus / TOKENIZER_FILE)
+    train_tokens = np.load(corpus / "train_tokens.npy")
+    eval_batches = fixed_eval_batches(np.load(corpus / "heldout_tokens.npy"), config)
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy(corpus / TOKENIZER_FILE, config.out_dir / TOKENIZER_FILE)
+
+    model, state = initial_model(config, codec.vocab_size)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    run_seed = config.seed + int(state.get("runs", 0))
+    batches = pack_batches(train_tokens, config.seq_len, config.batch_size, np.random.default_rng(run_seed))
+    generator = torch.Generator().manual_seed(run_seed)
+    tokens_seen = dict(state.get("tokens_seen", {"ar": 0, "bd": 0}))
+    seconds = dict(state.get("seconds", {"ar": 0.0, "bd": 0.0}))
+    log_path = config.out_dir / "train_log.jsonl"
+
+    def snapshot(step: int, loss_ema: float, elapsed: float) -> None:
+        held = heldout_loss(model, eval_batches, config.phase)
+        record = {
+            "phase": config.phase,
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "seconds": seconds,
+            "train_loss_ema": loss_ema,
+            f"heldout_{config.phase}_loss": held,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        with log_path.open("a") as log:
+            log.write(json.dumps(record) + "\n")
+        new_state = {
+            "runs": int(state.get("runs", 0)) + 1,
+            "tokens_seen": tokens_seen,
+            "seconds": seconds,
+            "last_phase": config.phase,
+            "last_heldout": {**state.get("last_heldout", {}), config.phase: held},
+            "train_config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        }
+        save_checkpoint(model, config.out_dir, new_state)
+        tqdm.write(f"[snapshot] step {step} {config.phase} held-out loss {held:.3f} ({elapsed / 60:.1f} min)")
+
+    start = time.time()
+    last_snapshot = start
+    step, loss_ema = 0, float("nan")
+    budget = config.minutes * 60.0
+    with tqdm(total=int(budget), unit="s", desc=f"train {config.phase}") as bar:
+        while (elapsed := time.time() - start) < budget:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(config, step, elapsed)
+            batch = torch.from_numpy(next(batches))
+            block_length = config.block_lengths[step % len(config.block_lengths)]
+            tick = time.time()
+            out = phase_loss(model, batch, config.phase, block_length, generator)
+            optimizer.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            tokens_seen[config.phase] += batch.numel()
+            seconds[config.phase] += time.time() - tick
+            value = float(out.loss)
+            loss_ema = value if math.isnan(loss_ema) else 0.98 * loss_ema + 0.02 * value
+            bar.update(int(time.time() - start) - bar.n)
+            bar.set_postfix(loss=f"{loss_ema:.3f}", step=step, lr=f"{optimizer.param_groups[0]['lr']:.1e}")
+            if time.time() - last_snapshot >= config.snapshot_minutes * 60.0:
+                snapshot(step, loss_ema, time.time() - start)
+                last_snapshot = time.time()
+    snapshot(step, loss_ema, time.time() - start)
+    return config.out_dir

@@ -1,0 +1,104 @@
+"""Draft trees: candidate next states of one block, verified together in one target pass.
+
+A node is a whole block state plus the index of the commit-rule step that would be applied to it (the noise of
+that step depends on it). Parents are the single source of truth; depths and paths are derived. Identical states
+are merged: the acceptance walk looks up the target's true next state among *all* nodes, so a state reached by
+two commit orders is drafted (and scored) once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def state_key(state: torch.Tensor, step_index: int) -> tuple[int, bytes]:
+    """Hashable identity of a node: (step index, block tokens)."""
+    return step_index, state.to(torch.int64).cpu().numpy().tobytes()
+
+
+@dataclass
+class TreeBuilder:
+    """Grows a draft tree from its root; ``add`` merges states already present."""
+
+    root: torch.Tensor  # int64 [L]
+    root_step: int
+    mask_id: int
+    max_nodes: int
+    states: list[torch.Tensor] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    index: dict[tuple[int, bytes], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._append(self.root, -1, self.root_step)
+
+    def _append(self, state: torch.Tensor, parent: int, step_index: int) -> int:
+        self.index[state_key(state, step_index)] = len(self.states)
+        self.states.append(state)
+        self.parents.append(parent)
+        self.steps.append(step_index)
+        return len(self.states) - 1
+
+    @property
+    def full(self) -> bool:
+        return len(self.states) >= self.max_nodes
+
+    def add(self, parent: int, state: torch.Tensor, steps_taken: int = 1) -> int | None:
+        """Add ``state`` as a child of ``parent`` reached by ``steps_taken`` rule steps.
+
+        Returns the node index (existing one when merged), or None when the state is complete (its last commit
+        is always free, so it never needs scoring) or the budget is spent.
+        """
+        step_index = self.steps[parent] + steps_taken
+        key = state_key(state, step_index)
+        if key in self.index:
+            return self.index[key]
+        if not bool((state == self.mask_id).any()) or self.full:
+            return None
+        return self._append(state, parent, step_index)
+
+    def build(self) -> DraftTree:
+        return DraftTree(
+            states=torch.stack(self.states), parents=tuple(self.parents), steps=tuple(self.steps), index=self.index
+        )
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    states: torch.Tensor  # int64 [N, L]; node 0 is the root (the free commit)
+    parents: tuple[int, ...]  # parents[0] == -1
+    steps: tuple[int, ...]  # rule-step index applied to each node's state
+    index: dict[tuple[int, bytes], int]
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    def lookup(self, state: torch.Tensor, step_index: int) -> int | None:
+        return self.index.get(state_key(state, step_index))
+
+    def depths(self) -> list[int]:
+        depth = [0] * len(self)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                depth[node] = depth[parent] + 1
+        return depth
+
+    def paths(self) -> torch.Tensor:
+        """Root-to-leaf node paths, int64 [n_leaves, max_depth + 1], padded with -1."""
+        is_parent = set(self.parents)
+        leaves = [n for n in range(len(self)) if n not in is_parent]
+        rows = []
+        for leaf in leaves:
+            path, node = [], leaf
+            while node >= 0:
+                path.append(node)
+                node = self.parents[node]
+            rows.append(path[::-1])
+        width = max(len(r) for r in rows)
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int64)
+
+
+def root_only(root: torch.Tensor, root_step: int, mask_id: int) -> DraftTree:
+    return TreeBuilder(root=root, root_step=root_step, mask_id=mask_id, max_nodes=1).build()
