@@ -20,15 +20,38 @@ from spot_dlm.models.base import Target
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
 
-# method name -> (commit rule kind, whether a drafter is used)
-METHOD_RULES: dict[str, str] = {"standard": "one", "threshold": "threshold", "dynamic": "dynamic"}
-DRAFTER_FACTORIES: dict[str, Callable[[GenerateConfig, Target], Drafter]] = {}
+
+def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    from spot_dlm.drafters.order_model import SpotDrafter, load_order_model
+
+    folder = Path(config.drafter) if config.drafter else default_drafter_dir()
+    return SpotDrafter(load_order_model(folder), budget=config.budget, depth=config.depth)
 
 
-def register_method(name: str, rule_kind: str, factory: Callable[[GenerateConfig, Target], Drafter]) -> None:
-    """Add a speculative method: a commit-rule kind and a drafter built from the config and target."""
-    METHOD_RULES[name] = rule_kind
-    DRAFTER_FACTORIES[name] = factory
+def _stale_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    from spot_dlm.drafters.simple import StaleConfidenceDrafter
+
+    return StaleConfidenceDrafter(budget=config.budget, depth=config.depth)
+
+
+# method name -> commit rule kind; methods with a drafter factory are speculative (and exact)
+METHOD_RULES: dict[str, str] = {
+    "standard": "one",
+    "threshold": "threshold",
+    "dynamic": "dynamic",
+    "spot": "one",
+    "stale": "one",
+}
+DRAFTER_FACTORIES: dict[str, Callable[[GenerateConfig, Target], Drafter]] = {
+    "spot": _spot_drafter,
+    "stale": _stale_drafter,
+}
+
+
+def default_drafter_dir() -> Path:
+    from spot_dlm.models.builtin import builtin_dir
+
+    return builtin_dir() / "drafter"
 
 
 @dataclass(frozen=True)
@@ -45,6 +68,7 @@ class GenerateConfig:
     budget: int = 16  # speculative methods: draft-tree nodes scored per pass (root included)
     depth: int = 8  # speculative methods: maximum draft depth
     apply_template: bool = True
+    drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_RULES:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +48,20 @@ class Drafter(Protocol):
     name: str
 
     def propose(self, context: DraftContext) -> DraftTree: ...
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One rule step as standard decoding sees it (given to an observer, e.g. trajectory logging)."""
+
+    block_index: int
+    step_index: int
+    state: torch.Tensor  # int64 [L]: the state the step was applied to
+    logits: torch.Tensor  # [L, V]: the target's logits at that state
+    next_state: torch.Tensor  # int64 [L]
+
+
+Observer = Callable[[StepRecord], None]
 
 
 @dataclass(frozen=True)
@@ -176,6 +191,7 @@ def decode_block(
     drafter: Drafter,
     stats: DecodeStats,
     first_pass: int,
+    observer: Observer | None = None,
 ) -> tuple[torch.Tensor, object, _BlockTrace]:
     """Decode one block from all-mask to complete; returns (block [L], cache, trace)."""
     mask_id, length = target.mask_id, settings.block_length
@@ -192,6 +208,8 @@ def decode_block(
     while True:
         stats.committed_tokens += trace.mark(state, next_state, mask_id, step_index, passes())
         stats.rule_steps += 1
+        if observer is not None:
+            observer(StepRecord(block_index, step_index, state, logits, next_state))
         parent, state, step_index = state, next_state, step_index + 1
         if not bool((state == mask_id).any()):
             return state, cache, trace
@@ -207,6 +225,8 @@ def decode_block(
         for a, b in zip(path, path[1:]):
             stats.committed_tokens += trace.mark(tree.states[a], tree.states[b], mask_id, tree.steps[a], passes())
             stats.rule_steps += 1
+            if observer is not None:
+                observer(StepRecord(block_index, tree.steps[a], tree.states[a], node_logits[a], tree.states[b]))
         node = path[-1]
         state, logits, step_index, next_state = (
             tree.states[node],
@@ -217,7 +237,12 @@ def decode_block(
 
 
 def decode_ids(
-    target: Target, prompt_ids: torch.Tensor, settings: DecodeSettings, drafter: Drafter, key: NoiseKey
+    target: Target,
+    prompt_ids: torch.Tensor,
+    settings: DecodeSettings,
+    drafter: Drafter,
+    key: NoiseKey,
+    observer: Observer | None = None,
 ) -> RawGeneration:
     """Decode one prompt block by block (stopping after a block holding EOS when ``stop_at_eos``)."""
     start_passes, start_tokens = target.counter.snapshot()
@@ -228,7 +253,7 @@ def decode_ids(
     finished = None
     for block_index in range(settings.gen_length // settings.block_length):
         finished, cache, trace = decode_block(
-            target, cache, finished, block_index, settings, key, drafter, stats, start_passes
+            target, cache, finished, block_index, settings, key, drafter, stats, start_passes, observer
         )
         blocks.append(finished)
         steps.append(trace.step)

@@ -1,0 +1,1 @@
+"""Drafters propose trees of candidate next block states; verification keeps every one of them exact."""

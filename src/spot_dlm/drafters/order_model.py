@@ -1,0 +1,141 @@
+"""SPOT's order model: which masked position does the target commit next, read from stale distributions only.
+
+Per block position the model sees the stale top-32 probabilities (sorted), whether the position was masked in the
+stale state, whether this tree branch has already committed it, the stale confidence of its noise-coupled token
+for the step being predicted, and its position inside the block. No token ids, so one drafter serves any target
+and vocabulary. A 3-layer bidirectional transformer (width 128, 8 heads, ~0.6M parameters) gives one logit per
+position; a softmax over the positions still masked on the branch is the next-commit distribution.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spot_dlm.decode import DraftContext
+from spot_dlm.drafters.base import TOP_K_FEATURES, StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.models.checkpoint import check_state_dict, load_weights
+from spot_dlm.tree import DraftTree
+
+N_FLAG_FEATURES = 3  # stale-masked, branch-committed, coupled confidence
+
+
+@dataclass(frozen=True)
+class OrderModelConfig:
+    top_k: int = TOP_K_FEATURES
+    d_model: int = 128
+    n_layers: int = 3
+    n_heads: int = 8
+    max_block_length: int = 64
+    mlp_ratio: int = 4
+
+    @property
+    def n_features(self) -> int:
+        return self.top_k + N_FLAG_FEATURES
+
+
+class OrderModel(nn.Module):
+    def __init__(self, config: OrderModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input = nn.Linear(config.n_features, config.d_model)
+        self.position = nn.Embedding(config.max_block_length, config.d_model)
+        layer = nn.TransformerEncoderLayer(
+            config.d_model,
+            config.n_heads,
+            config.mlp_ratio * config.d_model,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
+        )
+        self.encoder = nn.TransformerEncoder(layer, config.n_layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features float32 [B, L, F] -> logits [B, L] (unnormalised; mask disallowed positions yourself)."""
+        length = features.shape[1]
+        if length > self.config.max_block_length:
+            raise ValueError(f"block length {length} exceeds the order model's {self.config.max_block_length}")
+        x = self.input(features) + self.position(torch.arange(length, device=features.device))
+        return self.head(self.norm(self.encoder(x)))[..., 0]
+
+
+def stale_top_probs(stale_logits: torch.Tensor, mask_id: int, top_k: int = TOP_K_FEATURES) -> torch.Tensor:
+    """Sorted top-k probabilities of the stale distributions (mask token excluded). [L, V] -> float32 [L, k]"""
+    z = stale_logits.to(torch.float64)
+    z[..., mask_id] = float("-inf")
+    return torch.softmax(z, dim=-1).topk(top_k, dim=-1).values.float()
+
+
+def order_features(
+    top_probs: torch.Tensor, stale_masked: torch.Tensor, branch_committed: torch.Tensor, coupled_conf: torch.Tensor
+) -> torch.Tensor:
+    """Drafter input. top_probs [..., L, k]; stale_masked, branch_committed bool [..., L];
+    coupled_conf [..., L] (stale confidence of the coupled token for the predicted step) -> float32 [..., L, k + 3]
+    """
+    coupled = torch.where(
+        stale_masked & ~branch_committed, coupled_conf.float(), torch.zeros_like(coupled_conf).float()
+    )
+    flags = torch.stack([stale_masked.float(), branch_committed.float(), coupled], dim=-1)
+    return torch.cat([top_probs.float(), flags], dim=-1)
+
+
+def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(folder / "drafter.safetensors")
+    )
+    (folder / "drafter_config.json").write_text(json.dumps(asdict(model.config), indent=2))
+    if metrics is not None:
+        (folder / "drafter_metrics.json").write_text(json.dumps(metrics, indent=2))
+
+
+def load_order_model(folder: Path) -> OrderModel:
+    folder = Path(folder)
+    config_path = folder / "drafter_config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"drafter config not found: {config_path}")
+    try:
+        config = OrderModelConfig(**json.loads(config_path.read_text()))
+    except (json.JSONDecodeError, TypeError) as err:
+        raise ValueError(f"invalid drafter config {config_path}: {err}") from err
+    weights = load_weights(folder / "drafter.safetensors")
+    model = OrderModel(config)
+    check_state_dict(model.state_dict(), weights, folder / "drafter.safetensors")
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class SpotDrafter:
+    """SPOT: best-first tree over the order model's next-commit distributions."""
+
+    model: OrderModel
+    budget: int = 16
+    depth: int = 8
+    name: str = "spot"
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        guesses = StaleGuesses(context)
+        top_probs = stale_top_probs(context.stale_logits, context.mask_id, self.model.config.top_k)  # [L, k]
+        stale_masked = context.parent == context.mask_id  # [L]
+
+        def scorer(state: torch.Tensor, step_index: int) -> torch.Tensor:
+            node_masked = state == context.mask_id
+            features = order_features(
+                top_probs, stale_masked, stale_masked & ~node_masked, guesses.at(step_index).confidence.clamp_min(0)
+            )
+            logits = self.model(features[None].to(next(self.model.parameters()).device))[0]
+            return masked_log_normalise(logits.to(state.device), node_masked)
+
+        return grow_tree(context, self.budget, self.depth, scorer, guesses)

@@ -1,0 +1,155 @@
+"""Trajectory logging for drafter training: run standard decoding and record what a drafter could have seen.
+
+For every rule step ``i`` of every block we store the stale features of the state ``s_i`` (top-32 probabilities
+of the target's logits at ``s_i``, which positions were masked), the positions step ``i`` committed, and the
+stale confidence of the noise-coupled token for the next ``depth`` steps (the feature a drafter reads when it
+predicts commit ``i + d``). Shards are ``.npz`` files of plain arrays (loaded with ``allow_pickle=False``);
+collection resumes by skipping shards that exist. Prompts come from the training split only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from spot_dlm.api import GenerateConfig, encode_prompt
+from spot_dlm.decode import DraftContext, NoDrafter, StepRecord, decode_ids
+from spot_dlm.drafters.base import StaleGuesses
+from spot_dlm.drafters.order_model import stale_top_probs
+from spot_dlm.noise import NoiseKey
+
+SHARD_ARRAYS = ("top", "masked", "committed", "coupled", "block_id", "step", "prompt_id")
+
+
+@dataclass
+class TrajectoryLog:
+    """Step rows of the blocks decoded so far (one row per rule step)."""
+
+    depth: int
+    top: list[np.ndarray] = field(default_factory=list)  # float16 [L, 32]
+    masked: list[np.ndarray] = field(default_factory=list)  # bool [L]: masked in s_i
+    committed: list[np.ndarray] = field(default_factory=list)  # bool [L]: committed by step i
+    coupled: list[np.ndarray] = field(default_factory=list)  # float16 [depth, L]: coupled conf for steps i+1..i+D
+    block_id: list[int] = field(default_factory=list)
+    step: list[int] = field(default_factory=list)
+    prompt_id: list[int] = field(default_factory=list)
+
+    def observer(self, key: NoiseKey, settings, mask_id: int, prompt_id: int, block_offset: int):
+        def record(rec: StepRecord) -> None:
+            context = DraftContext(
+                rec.next_state, rec.state, rec.logits, rec.step_index + 1, rec.block_index, key, settings.rule, mask_id
+            )
+            guesses = StaleGuesses(context)
+            coupled = [guesses.at(rec.step_index + d).confidence for d in range(1, self.depth + 1)]
+            self.top.append(stale_top_probs(rec.logits, mask_id).numpy().astype(np.float16))
+            self.masked.append((rec.state == mask_id).cpu().numpy())
+            self.committed.append(((rec.state == mask_id) & (rec.next_state != mask_id)).cpu().numpy())
+            self.coupled.append(torch.stack(coupled).float().cpu().numpy().astype(np.float16))
+            self.block_id.append(block_offset + rec.block_index)
+            self.step.append(rec.step_index)
+            self.prompt_id.append(prompt_id)
+
+        return record
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            "top": np.stack(self.top),
+            "masked": np.stack(self.masked),
+            "committed": np.stack(self.committed),
+            "coupled": np.stack(self.coupled),
+            "block_id": np.asarray(self.block_id, dtype=np.int64),
+            "step": np.asarray(self.step, dtype=np.int16),
+            "prompt_id": np.asarray(self.prompt_id, dtype=np.int64),
+        }
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    out_dir: Path
+    n_prompts: int = 400
+    prompts_per_shard: int = 25
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    block_length: int = 32
+    gen_length: int = 256
+    depth: int = 8
+    method: str = "standard"  # the rule whose trajectories are logged (standard, threshold, dynamic)
+    tau: float = 0.9
+    seed: int = 1
+
+
+def collection_prompts(n: int, seed: int = 0) -> list[str]:
+    """Training-split questions only: half GSM8K train, half gsm_symbolic (training seed), shuffled."""
+    from spot_dlm.train.data import TRAIN_SYMBOLIC_SEED, gsm_symbolic_items, load_gsm8k
+
+    rng = np.random.default_rng(seed)
+    gsm8k = load_gsm8k("train")
+    picks = rng.choice(len(gsm8k), size=n - n // 2, replace=False)
+    symbolic = gsm_symbolic_items(TRAIN_SYMBOLIC_SEED, n // 2)
+    questions = [gsm8k[i]["question"] for i in picks] + [item["question"] for item in symbolic]
+    return [questions[i] for i in rng.permutation(len(questions))]
+
+
+def collect(target, codec, config: CollectConfig) -> list[Path]:
+    """Run standard decoding over training prompts at each temperature; write resumable shards."""
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    (config.out_dir / "collect_config.json").write_text(json.dumps({**asdict(config), "out_dir": str(config.out_dir)}))
+    prompts = collection_prompts(config.n_prompts, config.seed)
+    shards = []
+    jobs = [(t, start) for t in config.temperatures for start in range(0, len(prompts), config.prompts_per_shard)]
+    for temperature, start in tqdm(jobs, desc="collect shards"):
+        path = config.out_dir / f"shard_T{temperature:g}_{start:05d}.npz"
+        shards.append(path)
+        if path.exists():
+            continue
+        gen_config = GenerateConfig(
+            method=config.method,
+            block_length=config.block_length,
+            gen_length=config.gen_length,
+            temperature=temperature,
+            seed=config.seed,
+            tau=config.tau,
+        )
+        settings = gen_config.settings()
+        log = TrajectoryLog(depth=config.depth)
+        block_offset = 0
+        for prompt_id in range(start, min(start + config.prompts_per_shard, len(prompts))):
+            key = NoiseKey(config.seed, prompt_id)
+            ids = encode_prompt(prompts[prompt_id], codec, gen_config, target)
+            raw = decode_ids(
+                target,
+                ids,
+                settings,
+                NoDrafter(),
+                key,
+                log.observer(key, settings, target.mask_id, prompt_id, block_offset),
+            )
+            block_offset += raw.token_ids.shape[0] // config.block_length
+        arrays = log.arrays()
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez_compressed(tmp, **arrays)
+        tmp.replace(path)
+    return shards
+
+
+def load_shards(paths: list[Path]) -> dict[str, np.ndarray]:
+    """Concatenate shards; rows of one block stay consecutive and in step order."""
+    if not paths:
+        raise FileNotFoundError("no trajectory shards given")
+    loaded = []
+    for path in paths:
+        with np.load(path, allow_pickle=False) as data:
+            missing = [name for name in SHARD_ARRAYS if name not in data]
+            if missing:
+                raise ValueError(f"trajectory shard {path} lacks arrays {missing}")
+            loaded.append({name: data[name] for name in SHARD_ARRAYS})
+    merged = {name: [] for name in SHARD_ARRAYS}
+    for index, shard in enumerate(loaded):
+        for name in SHARD_ARRAYS:
+            value = shard[name]
+            merged[name].append(value + index * 10_000_000 if name == "block_id" else value)  # unique per shard
+    return {name: np.concatenate(values) for name, values in merged.items()}

@@ -1,0 +1,139 @@
+"""Train SPOT's order model on logged trajectories; report held-out next-commit accuracy by depth.
+
+An example is (stale features of ``s_i``, commits of steps ``i .. i+d-1`` marked as committed on the branch)
+-> the position committed by step ``i + d``, for ``d = 1 .. D``. Prompts are split 90/10 into train and held out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, order_features, save_order_model
+from spot_dlm.train.collect import load_shards
+
+
+@dataclass(frozen=True)
+class Examples:
+    row: np.ndarray  # int64 [M]: step row i
+    depth: np.ndarray  # int64 [M]: d >= 1 (predict the commit of step i + d)
+
+
+def build_examples(data: dict[str, np.ndarray], max_depth: int, rows: np.ndarray) -> Examples:
+    """All (i, d) with rows i and i + d in the same block, i in ``rows``, and one commit at step i + d."""
+    block, n_rows = data["block_id"], len(data["block_id"])
+    one_commit = data["committed"].sum(-1) == 1
+    picks_row, picks_depth = [], []
+    for d in range(1, max_depth + 1):
+        i = rows[rows + d < n_rows]
+        ok = (block[i + d] == block[i]) & one_commit[i + d]
+        picks_row.append(i[ok])
+        picks_depth.append(np.full(int(ok.sum()), d))
+    return Examples(row=np.concatenate(picks_row), depth=np.concatenate(picks_depth))
+
+
+def batch_tensors(data: dict[str, np.ndarray], cum_committed: np.ndarray, ex: Examples, index: np.ndarray):
+    """Features float32 [B, L, F], allowed bool [B, L], target int64 [B] for the chosen examples."""
+    i, d = ex.row[index], ex.depth[index]
+    branch = (cum_committed[i + d] - cum_committed[i]) > 0  # committed by steps i .. i+d-1
+    masked = data["masked"][i]
+    coupled = data["coupled"][i, d - 1]  # [B, L]
+    features = order_features(
+        torch.from_numpy(data["top"][i].astype(np.float32)),
+        torch.from_numpy(masked),
+        torch.from_numpy(branch),
+        torch.from_numpy(coupled.astype(np.float32)),
+    )
+    allowed = torch.from_numpy(masked & ~branch)
+    target = torch.from_numpy(data["committed"][i + d].argmax(-1))
+    return features, allowed, target
+
+
+def masked_logits(model: OrderModel, features: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    return model(features).masked_fill(~allowed, float("-inf"))
+
+
+@torch.no_grad()
+def accuracy_by_depth(model, data, cum, ex: Examples, max_depth: int, batch_size: int = 2048) -> dict[int, float]:
+    model.eval()
+    correct, total = np.zeros(max_depth + 1), np.zeros(max_depth + 1)
+    for start in range(0, len(ex.row), batch_size):
+        index = np.arange(start, min(start + batch_size, len(ex.row)))
+        features, allowed, target = batch_tensors(data, cum, ex, index)
+        hit = (masked_logits(model, features, allowed).argmax(-1) == target).numpy()
+        np.add.at(correct, ex.depth[index], hit)
+        np.add.at(total, ex.depth[index], 1)
+    model.train()
+    return {d: float(correct[d] / total[d]) for d in range(1, max_depth + 1) if total[d] > 0}
+
+
+def naive_accuracy(data, cum, ex: Examples, max_depth: int) -> dict[int, float]:
+    """The training-free guess: the most confident coupled stale token among allowed positions."""
+    out = {}
+    for d in range(1, max_depth + 1):
+        index = np.flatnonzero(ex.depth == d)
+        if len(index) == 0:
+            continue
+        features, allowed, target = batch_tensors(data, cum, ex, index)
+        guess = features[..., -1].masked_fill(~allowed, -1.0).argmax(-1)
+        out[d] = float((guess == target).float().mean())
+    return out
+
+
+def train_drafter(
+    shard_dir: Path,
+    out_dir: Path,
+    minutes: float = 10.0,
+    max_depth: int = 8,
+    batch_size: int = 256,
+    lr: float = 1e-3,
+    threads: int = 1,
+    seed: int = 0,
+) -> dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    data = load_shards(sorted(Path(shard_dir).glob("shard_*.npz")))
+    prompts = np.unique(data["prompt_id"])
+    heldout_prompts = set(np.random.default_rng(seed).choice(prompts, size=max(1, len(prompts) // 10), replace=False))
+    is_heldout = np.isin(data["prompt_id"], list(heldout_prompts))
+    cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
+    train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout))
+    held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout))
+    model = OrderModel(OrderModelConfig())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    rng = np.random.default_rng(seed)
+    start, step, loss_ema = time.time(), 0, None
+    budget = minutes * 60
+    with tqdm(total=int(budget), unit="s", desc="train drafter") as bar:
+        while time.time() - start < budget:
+            index = rng.integers(0, len(train_ex.row), size=batch_size)
+            features, allowed, target = batch_tensors(data, cum, train_ex, index)
+            progress = (time.time() - start) / budget
+            for group in optimizer.param_groups:
+                group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
+            loss = F.cross_entropy(masked_logits(model, features, allowed), target)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+            bar.update(int(time.time() - start) - bar.n)
+            bar.set_postfix(loss=f"{loss_ema:.3f}", step=step)
+    metrics = {
+        "heldout_next_commit_accuracy_by_depth": accuracy_by_depth(model, data, cum, held_ex, max_depth),
+        "heldout_naive_stale_confidence_accuracy_by_depth": naive_accuracy(data, cum, held_ex, max_depth),
+        "train_examples": int(len(train_ex.row)),
+        "heldout_examples": int(len(held_ex.row)),
+        "steps": step,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shards": str(shard_dir),
+    }
+    save_order_model(model, out_dir, metrics)
+    return metrics
