@@ -34,6 +34,21 @@ def _stale_drafter(config: GenerateConfig, target: Target) -> Drafter:
     return StaleConfidenceDrafter(budget=config.budget, depth=config.depth)
 
 
+def _chain_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    from spot_dlm.drafters.simple import ChainDrafter
+
+    return ChainDrafter(budget=config.budget, depth=config.depth)
+
+
+def _calibrated_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    from spot_dlm.drafters.calibrated import load_rank_counts, select_rank_paths
+    from spot_dlm.drafters.simple import CalibratedDrafter
+
+    folder = Path(config.drafter) if config.drafter else default_drafter_dir()
+    paths = select_rank_paths(load_rank_counts(folder / "calibration.json"), config.budget)
+    return CalibratedDrafter(tuple(p for p in paths if len(p) <= config.depth), budget=config.budget)
+
+
 # method name -> commit rule kind; methods with a drafter factory are speculative (and exact)
 METHOD_RULES: dict[str, str] = {
     "standard": "one",
@@ -41,10 +56,14 @@ METHOD_RULES: dict[str, str] = {
     "dynamic": "dynamic",
     "spot": "one",
     "stale": "one",
+    "chain": "one",
+    "calibrated": "one",
 }
 DRAFTER_FACTORIES: dict[str, Callable[[GenerateConfig, Target], Drafter]] = {
     "spot": _spot_drafter,
     "stale": _stale_drafter,
+    "chain": _chain_drafter,
+    "calibrated": _calibrated_drafter,
 }
 
 

@@ -101,6 +101,86 @@ def _train_target(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from spot_dlm.bench.plots import plot_report
+    from spot_dlm.bench.run import BenchConfig, format_table, reproduce_command, run_bench, write_report
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    bench = BenchConfig(
+        methods=args.methods,
+        budgets=args.budgets,
+        temperatures=args.temperatures,
+        tasks=args.task,
+        n_prompts=args.n_prompts,
+        block_length=args.block_length,
+        gen_length=args.gen_length,
+        depth=args.depth,
+        seed=args.seed,
+        taus=args.taus,
+        model=args.model,
+        drafter=args.drafter,
+    )
+    report = run_bench(bench)
+    report["reproduce"] = reproduce_command(bench)
+    print(f"# {report['machine']}, torch threads {report['torch_threads']}")
+    print(format_table(report))
+    print(f"# reproduce: {report['reproduce']}")
+    write_report(report, Path(args.json) if args.json else None)
+    if args.plots:
+        for path in plot_report(report, Path(args.plots)):
+            print(f"plot: {path}")
+    return 0
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from spot_dlm.train.collect import CollectConfig, collect
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target, codec = load_target(args.model)
+    config = CollectConfig(
+        out_dir=Path(args.out),
+        n_prompts=args.n_prompts,
+        temperatures=args.temperatures,
+        block_length=args.block_length,
+        gen_length=args.gen_length,
+        depth=args.depth,
+        method=args.method,
+        tau=args.tau,
+        seed=args.seed,
+    )
+    shards = collect(target, codec, config)
+    print(f"{len(shards)} shards in {args.out}")
+    return 0
+
+
+def _train_drafter(args: argparse.Namespace) -> int:
+    from spot_dlm.drafters.calibrated import rank_path_counts, save_rank_counts
+    from spot_dlm.train.collect import load_shards
+    from spot_dlm.train.drafter import train_drafter
+
+    metrics = train_drafter(
+        Path(args.shards), Path(args.out), minutes=args.minutes, max_depth=args.depth, threads=args.threads
+    )
+    data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
+    save_rank_counts(rank_path_counts(data, args.depth), Path(args.out) / "calibration.json")
+    print(json.dumps(metrics, indent=2))
+    return 0
+
+
+class BenchDefaults:
+    methods = ("standard", "spot", "stale", "chain", "calibrated", "oracle")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spot-dlm", description="Exact speculative decoding for diffusion LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="one prompt (a question; the prompt template is applied)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--method", default="standard", help=f"one of: {', '.join(sorted(METHOD_RULES))}")
+    gen.add_argument("--drafter", default=None, help="drafter folder for speculative methods (default: shipped)")
     gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold (threshold, dynamic, spot-sets)")
     gen.add_argument("--budget", type=int, default=16, help="draft nodes scored per pass (speculative methods)")
     gen.add_argument("--depth", type=int, default=8, help="maximum draft depth (speculative methods)")
@@ -141,6 +222,47 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--threads", type=int, default=2)
     train.add_argument("--snapshot-minutes", type=float, default=10.0)
     train.set_defaults(func=_train_target)
+    bench = sub.add_parser("bench", help="compare methods side by side (same prompts, same noise, one process)")
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    bench.add_argument(
+        "--methods", type=_csv(str), default=("standard", "spot", "stale", "chain", "calibrated", "oracle")
+    )
+    bench.add_argument("--budgets", type=_csv(int), default=(4, 8, 16, 32))
+    bench.add_argument("--temperatures", type=_csv(float), default=(0.0, 1.0))
+    bench.add_argument("--taus", type=_csv(float), default=(0.9,))
+    bench.add_argument("--task", type=_csv(str), default=("gsm8k",), help="gsm8k, gsm_symbolic, humaneval")
+    bench.add_argument("--n-prompts", type=int, default=50)
+    bench.add_argument("--block-length", type=int, default=32)
+    bench.add_argument("--gen-length", type=int, default=256)
+    bench.add_argument("--depth", type=int, default=8)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    bench.add_argument("--json", default=None, help="write the full report here")
+    bench.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    bench.set_defaults(func=_bench)
+
+    col = sub.add_parser("collect", help="log standard-decoding trajectories on training prompts")
+    col.add_argument("--model", default=None)
+    col.add_argument("--out", default="runs/trajectories")
+    col.add_argument("--n-prompts", type=int, default=200)
+    col.add_argument("--temperatures", type=_csv(float), default=(0.0, 1.0))
+    col.add_argument("--block-length", type=int, default=32)
+    col.add_argument("--gen-length", type=int, default=256)
+    col.add_argument("--depth", type=int, default=8)
+    col.add_argument("--method", default="standard")
+    col.add_argument("--tau", type=float, default=0.9)
+    col.add_argument("--seed", type=int, default=1)
+    col.add_argument("--threads", type=int, default=1)
+    col.set_defaults(func=_collect)
+
+    tdr = sub.add_parser("train-drafter", help="train SPOT's order model on logged trajectories")
+    tdr.add_argument("--shards", default="runs/trajectories")
+    tdr.add_argument("--out", default="runs/drafter")
+    tdr.add_argument("--minutes", type=float, default=10.0)
+    tdr.add_argument("--depth", type=int, default=8)
+    tdr.add_argument("--threads", type=int, default=1)
+    tdr.set_defaults(func=_train_drafter)
     return parser
 
 

@@ -8,7 +8,6 @@ position* commits next; ``grow_tree`` turns that score into a tree, best-first b
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,9 +43,18 @@ class StaleGuesses:
         return self._cache[step_index]
 
 
-# (node state int64 [L], rule-step index applied to it) -> log-probability of committing next, float [L];
-# -inf where a position may not commit (not masked in the node)
-PositionScorer = Callable[[torch.Tensor, int], torch.Tensor]
+# (node states int64 [B, L], rule-step index applied to each) -> log-probability of each position committing
+# next, float [B, L]; -inf where a position may not commit (not masked in the node)
+PositionScorer = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    state: torch.Tensor  # int64 [L]
+    step: int  # rule-step index applied to this state
+    logprob: float  # path log-probability from the root
+    parent: int  # candidate index of the parent (-1 for the root)
+    depth: int
 
 
 def grow_tree(
@@ -58,42 +66,50 @@ def grow_tree(
 ) -> DraftTree:
     """Best-first one-commit tree under a node budget (root included) and a depth limit.
 
-    Every edge commits one position with its stale coupled token; a child's score is its path log-probability.
+    Every edge commits one position with its stale coupled token; a node's score is its path log-probability.
+    The scorer runs once per depth on the (at most budget - 1) best nodes of that depth, batched; the tree keeps
+    the budget - 1 best candidates overall (parents always score at least as high as their children).
     """
     guesses = guesses if guesses is not None else StaleGuesses(context)
+    candidates = [_Candidate(context.root, context.root_step, 0.0, -1, 0)]
+    level = [0]
+    keep = budget - 1
+    for _ in range(max_depth):
+        if not level or keep == 0:
+            break
+        states = torch.stack([candidates[i].state for i in level])  # [B, L]
+        scores = position_logprobs(states, [candidates[i].step for i in level])  # [B, L]
+        next_level = []
+        for row, index in enumerate(level):
+            parent = candidates[index]
+            finite = torch.isfinite(scores[row])
+            n_children = min(int(finite.sum()), keep)
+            if n_children == 0:
+                continue
+            values, positions = scores[row].topk(n_children)
+            tokens = guesses.at(parent.step).tokens
+            for value, position in zip(values.tolist(), positions.tolist()):
+                child = parent.state.clone()
+                child[position] = tokens[position]
+                candidates.append(_Candidate(child, parent.step + 1, parent.logprob + value, index, parent.depth + 1))
+                next_level.append(len(candidates) - 1)
+        level = sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep]
+    order = sorted(range(1, len(candidates)), key=lambda i: (-candidates[i].logprob, candidates[i].depth))
     builder = TreeBuilder(root=context.root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
-    depth = {0: 0}
-    frontier: list[tuple[float, int, int, int]] = []  # (-path log-prob, tie-break, parent node, position)
-    counter = 0
-
-    def expand(node: int, path_logprob: float) -> None:
-        nonlocal counter
-        if depth[node] >= max_depth:
-            return
-        scores = position_logprobs(builder.states[node], builder.steps[node])  # [L]
-        finite = torch.isfinite(scores)
-        n_children = min(int(finite.sum()), budget - 1)
-        if n_children == 0:
-            return
-        values, positions = scores.masked_fill(~finite, float("-inf")).topk(n_children)
-        for value, position in zip(values.tolist(), positions.tolist()):
-            heapq.heappush(frontier, (-(path_logprob + value), counter, node, position))
-            counter += 1
-
-    expand(0, 0.0)
-    while frontier and not builder.full:
-        neg_logprob, _, parent, position = heapq.heappop(frontier)
-        parent_state = builder.states[parent]
-        child = parent_state.clone()
-        child[position] = guesses.at(builder.steps[parent]).tokens[position]
-        n_before = len(builder.states)
-        node = builder.add(parent, child)
-        if node is not None and len(builder.states) > n_before:
-            depth[node] = depth[parent] + 1
-            expand(node, -neg_logprob)
+    node_of = {0: 0}
+    for index in order:
+        if builder.full:
+            break
+        cand = candidates[index]
+        parent_node = node_of.get(cand.parent)
+        if parent_node is None:
+            continue
+        node = builder.add(parent_node, cand.state)
+        if node is not None:
+            node_of[index] = node
     return builder.build()
 
 
 def masked_log_normalise(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Log-softmax of scores over allowed positions; -inf elsewhere. [L] -> [L]"""
+    """Log-softmax of scores over allowed positions; -inf elsewhere. [..., L] -> [..., L]"""
     return torch.log_softmax(scores.to(torch.float64).masked_fill(~allowed, float("-inf")), dim=-1)

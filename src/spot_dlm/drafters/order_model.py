@@ -130,12 +130,16 @@ class SpotDrafter:
         top_probs = stale_top_probs(context.stale_logits, context.mask_id, self.model.config.top_k)  # [L, k]
         stale_masked = context.parent == context.mask_id  # [L]
 
-        def scorer(state: torch.Tensor, step_index: int) -> torch.Tensor:
-            node_masked = state == context.mask_id
+        def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+            node_masked = states == context.mask_id  # [B, L]
+            coupled = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(0)  # [B, L]
             features = order_features(
-                top_probs, stale_masked, stale_masked & ~node_masked, guesses.at(step_index).confidence.clamp_min(0)
-            )
-            logits = self.model(features[None].to(next(self.model.parameters()).device))[0]
-            return masked_log_normalise(logits.to(state.device), node_masked)
+                top_probs.expand(states.shape[0], -1, -1),
+                stale_masked.expand_as(states),
+                stale_masked & ~node_masked,
+                coupled,
+            )  # [B, L, F]
+            logits = self.model(features.to(next(self.model.parameters()).device))  # [B, L]
+            return masked_log_normalise(logits.to(states.device), node_masked)
 
         return grow_tree(context, self.budget, self.depth, scorer, guesses)

@@ -23,9 +23,9 @@ class StaleConfidenceDrafter:
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context)
 
-        def scorer(state: torch.Tensor, step_index: int) -> torch.Tensor:
-            confidence = guesses.at(step_index).confidence.clamp_min(1e-30)
-            return masked_log_normalise(confidence.log(), state == context.mask_id)
+        def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+            confidence = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(1e-30)  # [B, L]
+            return masked_log_normalise(confidence.log(), states == context.mask_id)
 
         return grow_tree(context, self.budget, self.depth, scorer, guesses)
 
@@ -58,9 +58,9 @@ class RandomDrafter:
             random_tokens = random_tokens.masked_fill(random_tokens == context.mask_id, 0)
             proposal.tokens.copy_(torch.where(swap, random_tokens.to(proposal.tokens.device), proposal.tokens))
 
-        def scorer(state: torch.Tensor, step_index: int) -> torch.Tensor:
-            scores = torch.randn(state.shape, generator=generator).to(state.device)
-            return masked_log_normalise(scores, state == context.mask_id)
+        def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+            scores = torch.randn(states.shape, generator=generator).to(states.device)
+            return masked_log_normalise(scores, states == context.mask_id)
 
         return grow_tree(context, self.budget, self.depth, scorer, guesses)
 
@@ -101,3 +101,58 @@ class OracleDrafter:
             if node is None:
                 break
         return builder.build()
+
+
+def ranked_allowed(confidence: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Allowed positions sorted by confidence, highest first (ties: lowest position). -> int64 [n_allowed]"""
+    order = torch.sort(confidence.masked_fill(~allowed, float("-inf")), descending=True, stable=True).indices
+    return order[: int(allowed.sum())]
+
+
+def grow_rank_tree(context: DraftContext, rank_paths: list[tuple[int, ...]], budget: int) -> DraftTree:
+    """A static tree given as stale-confidence rank paths, e.g. (0,), (1,), (0, 0): the k-th most confident
+    still-masked position, under the coupled guesses of each node's step. Paths are used in the given order."""
+    guesses = StaleGuesses(context)
+    builder = TreeBuilder(context.root, context.root_step, context.mask_id, budget)
+    nodes: dict[tuple[int, ...], int | None] = {(): 0}
+    for path in rank_paths:
+        parent = nodes.get(path[:-1])
+        if parent is None or builder.full:
+            nodes[path] = None
+            continue
+        state = builder.states[parent]
+        proposal = guesses.at(builder.steps[parent])
+        ranked = ranked_allowed(proposal.confidence, state == context.mask_id)
+        if path[-1] >= ranked.shape[0]:
+            nodes[path] = None
+            continue
+        child = state.clone()
+        position = ranked[path[-1]]
+        child[position] = proposal.tokens[position]
+        nodes[path] = builder.add(parent, child)
+    return builder.build()
+
+
+@dataclass(frozen=True)
+class ChainDrafter:
+    """FreeDave-style chain: candidate k commits the k + 1 most confident stale positions (one path)."""
+
+    budget: int = 16
+    depth: int = 8
+    name: str = "chain"
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        length = min(self.budget - 1, self.depth)
+        return grow_rank_tree(context, [(0,) * d for d in range(1, length + 1)], self.budget)
+
+
+@dataclass(frozen=True)
+class CalibratedDrafter:
+    """Spiffy-style static draft graph: the rank paths most often taken on calibration prompts."""
+
+    rank_paths: tuple[tuple[int, ...], ...]
+    budget: int = 16
+    name: str = "calibrated"
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        return grow_rank_tree(context, list(self.rank_paths), self.budget)

