@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,21 @@ def test_gsm8k_root_env(tmp_path, monkeypatch) -> None:
         load_gsm8k("train")
     (tmp_path / "test.jsonl").write_text('{"question": "Q?", "answer": "1+1=<<1+1=2>>2\\n#### 2"}\n')
     assert load_gsm8k("test") == [{"question": "Q?", "answer": "2", "solution": "1+1=2\n#### 2"}]
+
+
+def test_prepare_corpus_small(gsm8k_train: list[dict], tmp_path, monkeypatch) -> None:
+    pytest.importorskip("reasoning_gym")
+    monkeypatch.setattr(data, "load_gsm8k", lambda split: gsm8k_train[:30] if split == "train" else gsm8k_train[30:60])
+    monkeypatch.setattr(data, "HELDOUT_PER_SOURCE", 10)
+    out = data.prepare_corpus(tmp_path / "corpus", n_symbolic=50, vocab_size=300)
+    meta = json.loads((out / "corpus.json").read_text())
+    train = np.load(out / "train_tokens.npy")
+    heldout = np.load(out / "heldout_tokens.npy")
+    assert meta["train"] == {"gsm8k_items": 30, "gsm_symbolic_items": 50, "tokens": len(train)}
+    assert (train == 1).sum() == 80 and (heldout == 1).sum() == 20 and train.dtype == np.uint16
+    assert meta["heldout"]["token_ranges"]["gsm_symbolic"][1] == len(heldout)
+    mtime = (out / "train_tokens.npy").stat().st_mtime_ns
+    assert data.prepare_corpus(out, n_symbolic=50, vocab_size=300) == out
+    assert (out / "train_tokens.npy").stat().st_mtime_ns == mtime
+    with pytest.raises(ValueError, match="built with"):
+        data.prepare_corpus(out, n_symbolic=60, vocab_size=300)

@@ -197,7 +197,9 @@ def decode_block(
     mask_id, length = target.mask_id, settings.block_length
     device = getattr(target, "device", torch.device("cpu"))
     state = torch.full((length,), mask_id, dtype=torch.int64, device=device)
-    trace = _BlockTrace(step=torch.full((length,), -1), pass_no=torch.full((length,), -1))
+    trace = _BlockTrace(
+        step=torch.full((length,), -1, device=device), pass_no=torch.full((length,), -1, device=device)
+    )
     scored = target.score(cache, state[None], finished)
     cache, logits, step_index = scored.cache, scored.logits[0], 0
     next_state = _apply_rule(state[None], logits[None], (0,), settings, key, block_index, target)[0]
@@ -264,5 +266,8 @@ def decode_ids(
     stats.query_tokens = target.counter.query_tokens - start_tokens
     stats.wall_seconds = time.perf_counter() - start_time
     return RawGeneration(
-        token_ids=torch.cat(blocks).cpu(), commit_step=torch.cat(steps), commit_pass=torch.cat(pass_nos), stats=stats
+        token_ids=torch.cat(blocks).cpu(),
+        commit_step=torch.cat(steps).cpu(),
+        commit_pass=torch.cat(pass_nos).cpu(),
+        stats=stats,
     )

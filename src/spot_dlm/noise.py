@@ -66,7 +66,7 @@ def uniform(key: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     pos_key = _mix_tensor(positions.to(torch.int64) ^ _signed(key))  # [P]
     counters = pos_key[:, None] + torch.arange(vocab_size, device=device, dtype=torch.int64)[None, :]  # [P, V]
     bits = _shift_right_logical(_mix_tensor(counters), 11)  # 53 random bits, >= 0
-    return (bits.to(torch.float64) + 0.5) * (2.0**-53)
+    return ((bits.to(torch.float64) + 0.5) * (2.0**-53)).clamp(max=1.0 - 2.0**-53)  # 2**53 - 0.5 rounds up
 
 
 def gumbel(key: int, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -72,7 +72,7 @@ class StepResult:
 
 def _decision_logits(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     """float64 logits with the mask token removed from the choice. [K, L, V] -> [K, L, V]"""
-    z = logits.to(torch.float64)
+    z = logits.to(torch.float64, copy=True)
     z[..., mask_id] = float("-inf")
     return z
 

@@ -47,6 +47,28 @@ class StaleGuesses:
 # next, float [B, L]; -inf where a position may not commit (not masked in the node)
 PositionScorer = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
+# (node states int64 [B, L], rule-step indices) -> per node, its candidate children as
+# (log-probability, positions committed together), any order
+ChildProposer = Callable[[torch.Tensor, list[int]], list[list[tuple[float, tuple[int, ...]]]]]
+
+
+def one_commit_children(scorer: PositionScorer, keep: int) -> ChildProposer:
+    """Children that each commit one position: the ``keep`` most likely positions of every node."""
+
+    def children(states: torch.Tensor, steps: list[int]) -> list[list[tuple[float, tuple[int, ...]]]]:
+        scores = scorer(states, steps)  # [B, L]
+        rows = []
+        for row in scores:
+            n_children = min(int(torch.isfinite(row).sum()), keep)
+            if n_children == 0:
+                rows.append([])
+                continue
+            values, positions = row.topk(n_children)
+            rows.append([(v, (p,)) for v, p in zip(values.tolist(), positions.tolist())])
+        return rows
+
+    return children
+
 
 @dataclass(frozen=True)
 class _Candidate:
@@ -61,15 +83,19 @@ def grow_tree(
     context: DraftContext,
     budget: int,
     max_depth: int,
-    position_logprobs: PositionScorer,
+    position_logprobs: PositionScorer | None = None,
     guesses: StaleGuesses | None = None,
+    children: ChildProposer | None = None,
 ) -> DraftTree:
-    """Best-first one-commit tree under a node budget (root included) and a depth limit.
+    """Best-first tree under a node budget (root included) and a depth limit.
 
-    Every edge commits one position with its stale coupled token; a node's score is its path log-probability.
-    The scorer runs once per depth on the (at most budget - 1) best nodes of that depth, batched; the tree keeps
-    the budget - 1 best candidates overall (parents always score at least as high as their children).
+    Every edge commits one position (``position_logprobs``) or a set of positions (``children``) with their stale
+    coupled tokens; a node's score is its path log-probability. The proposer runs once per depth on the (at most
+    budget - 1) best nodes of that depth, batched; the tree keeps the budget - 1 best candidates overall (parents
+    always score at least as high as their children).
     """
+    if children is None:
+        children = one_commit_children(position_logprobs, budget - 1)
     guesses = guesses if guesses is not None else StaleGuesses(context)
     candidates = [_Candidate(context.root, context.root_step, 0.0, -1, 0)]
     level = [0]
@@ -78,19 +104,15 @@ def grow_tree(
         if not level or keep == 0:
             break
         states = torch.stack([candidates[i].state for i in level])  # [B, L]
-        scores = position_logprobs(states, [candidates[i].step for i in level])  # [B, L]
+        proposals = children(states, [candidates[i].step for i in level])
         next_level = []
-        for row, index in enumerate(level):
+        for index, options in zip(level, proposals):
             parent = candidates[index]
-            finite = torch.isfinite(scores[row])
-            n_children = min(int(finite.sum()), keep)
-            if n_children == 0:
-                continue
-            values, positions = scores[row].topk(n_children)
             tokens = guesses.at(parent.step).tokens
-            for value, position in zip(values.tolist(), positions.tolist()):
+            for value, positions in options:
                 child = parent.state.clone()
-                child[position] = tokens[position]
+                where = torch.tensor(positions, device=child.device)
+                child[where] = tokens[where]
                 candidates.append(_Candidate(child, parent.step + 1, parent.logprob + value, index, parent.depth + 1))
                 next_level.append(len(candidates) - 1)
         level = sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep]

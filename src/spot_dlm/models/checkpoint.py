@@ -50,8 +50,9 @@ def _require(path: Path, what: str) -> Path:
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
     """Read a safetensors file, turning any corruption into a ValueError that names the file."""
+    _require(Path(path), "checkpoint weights")
     try:
-        return load_file(str(_require(Path(path), "checkpoint weights")))
+        return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"corrupt checkpoint weights {path}: {err}") from err
 

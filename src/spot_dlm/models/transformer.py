@@ -39,6 +39,16 @@ class ModelConfig:
     mask_id: int = 2
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_ratio", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model config {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            raise ValueError(f"model config rope_theta must be > 0, got {self.rope_theta!r}")
+        for name in ("pad_id", "eos_id", "mask_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < self.vocab_size:
+                raise ValueError(f"model config {name} must be a token id in [0, {self.vocab_size}), got {value!r}")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(f"d_model {self.d_model} must split into {self.n_heads} heads of even size")
 
@@ -65,7 +75,10 @@ class ModelConfig:
             raise ValueError(f"cannot read model config {path}: {err}") from err
         if not isinstance(raw, dict):
             raise ValueError(f"model config {path} is not a JSON object")
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"invalid model config {path}: {err}") from err
 
 
 class RMSNorm(nn.Module):

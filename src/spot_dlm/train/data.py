@@ -30,7 +30,7 @@ from spot_dlm.models.tokenizer import TextCodec, format_prompt, train_tokenizer
 
 GSM8K_ENV = "SPOT_DLM_GSM8K"
 GSM8K_DEFAULT_ROOTS = (
-    Path("/work/shared/data/gsm8k"),
+    Path(__file__).resolve().parents[1] / "assets" / "gsm8k",  # shipped copy (MIT, see LICENSE there)
     Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "gsm8k",
 )
 TRAIN_SYMBOLIC_SEED = 0

@@ -1,0 +1,81 @@
+"""Shared fixtures: a tiny random float64 target, a small trained tokenizer and a checkpoint folder built from them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from spot_dlm.models.builtin import BuiltinTarget
+from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
+from spot_dlm.models.tokenizer import TextCodec, train_tokenizer
+from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
+
+torch.set_num_threads(1)
+
+TINY_VOCAB = 40
+
+
+def random_model(
+    vocab_size: int = TINY_VOCAB, seed: int = 0, dtype: torch.dtype = torch.float64, max_seq_len: int = 256
+) -> BlockDiffusionLM:
+    """A tiny seeded BlockDiffusionLM in eval mode.
+
+    The default initialisation (std 0.02) gives almost uniform logits and attention; the weights are redrawn with
+    a larger spread so that the context matters and the logits are peaked enough for decisions to differ.
+    """
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=2, n_heads=2, max_seq_len=max_seq_len)
+    model = BlockDiffusionLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> BlockDiffusionLM:
+    return random_model()
+
+
+@pytest.fixture(scope="session")
+def model_factory() -> Callable[..., BlockDiffusionLM]:
+    """``random_model`` for tests that need other seeds, vocabularies or dtypes."""
+    return random_model
+
+
+@pytest.fixture
+def make_target(tiny_model: BlockDiffusionLM) -> Callable[..., BuiltinTarget]:
+    """Factory for a BuiltinTarget on the tiny model (fresh pass counter each call)."""
+
+    def build(scoring: str = "batched", use_cache: bool = True) -> BuiltinTarget:
+        return BuiltinTarget(model=tiny_model, scoring=scoring, use_cache=use_cache)
+
+    return build
+
+
+TOKENIZER_TEXTS = [
+    f"Question: what is {a} + {b}?\nAnswer: {a} + {b} = {a + b}. The {word} sat on mat number {a * b}."
+    for a in range(8)
+    for b in range(5)
+    for word in ("cat", "dog")
+][:60]
+
+
+@pytest.fixture(scope="session")
+def tiny_codec() -> TextCodec:
+    return TextCodec(train_tokenizer(TOKENIZER_TEXTS, vocab_size=300))
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory, tiny_codec: TextCodec) -> Path:
+    """A checkpoint folder (weights, config, tokenizer) of a random model whose vocabulary matches tiny_codec."""
+    folder = tmp_path_factory.mktemp("checkpoint") / "tiny-ckpt"
+    model = random_model(vocab_size=tiny_codec.vocab_size, seed=1, dtype=torch.float32, max_seq_len=128)
+    save_checkpoint(model, folder)
+    tiny_codec.save(folder / TOKENIZER_FILE)
+    return folder
