@@ -49,6 +49,20 @@ def _calibrated_drafter(config: GenerateConfig, target: Target) -> Drafter:
     return CalibratedDrafter(tuple(p for p in paths if len(p) <= config.depth), budget=config.budget)
 
 
+def _sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    from spot_dlm.drafters.order_model import load_order_model
+    from spot_dlm.drafters.sets import SetsDrafter
+
+    folder = Path(config.drafter) if config.drafter else default_drafter_dir().parent / "sets_drafter"
+    return SetsDrafter(load_order_model(folder), budget=config.budget, depth=config.depth)
+
+
+def _stale_sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    from spot_dlm.drafters.sets import StaleSetsDrafter
+
+    return StaleSetsDrafter(budget=config.budget, depth=config.depth)
+
+
 # method name -> commit rule kind; methods with a drafter factory are speculative (and exact)
 METHOD_RULES: dict[str, str] = {
     "standard": "one",
@@ -58,12 +72,18 @@ METHOD_RULES: dict[str, str] = {
     "stale": "one",
     "chain": "one",
     "calibrated": "one",
+    "spot-sets": "threshold",
+    "spot-sets-dynamic": "dynamic",
+    "stale-sets": "threshold",
 }
 DRAFTER_FACTORIES: dict[str, Callable[[GenerateConfig, Target], Drafter]] = {
     "spot": _spot_drafter,
     "stale": _stale_drafter,
     "chain": _chain_drafter,
     "calibrated": _calibrated_drafter,
+    "spot-sets": _sets_drafter,
+    "spot-sets-dynamic": _sets_drafter,
+    "stale-sets": _stale_sets_drafter,
 }
 
 

@@ -169,10 +169,16 @@ def _train_drafter(args: argparse.Namespace) -> int:
     from spot_dlm.train.drafter import train_drafter
 
     metrics = train_drafter(
-        Path(args.shards), Path(args.out), minutes=args.minutes, max_depth=args.depth, threads=args.threads
+        Path(args.shards),
+        Path(args.out),
+        minutes=args.minutes,
+        max_depth=args.depth,
+        threads=args.threads,
+        sets=args.sets,
     )
-    data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
-    save_rank_counts(rank_path_counts(data, args.depth), Path(args.out) / "calibration.json")
+    if not args.sets:  # the Spiffy-style calibrated graph is built from the same one-commit trajectories
+        data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
+        save_rank_counts(rank_path_counts(data, args.depth), Path(args.out) / "calibration.json")
     print(json.dumps(metrics, indent=2))
     return 0
 
@@ -262,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     tdr.add_argument("--minutes", type=float, default=10.0)
     tdr.add_argument("--depth", type=int, default=8)
     tdr.add_argument("--threads", type=int, default=1)
+    tdr.add_argument("--sets", action="store_true", help="train the SPOT-Sets model (threshold trajectories)")
     tdr.set_defaults(func=_train_drafter)
     return parser
 

@@ -24,7 +24,12 @@ from spot_dlm.drafters.simple import OracleDrafter
 
 TASKS = ("gsm8k", "gsm_symbolic", "humaneval")
 SPECULATIVE = ("spot", "stale", "chain", "calibrated", "oracle")
-THRESHOLD_FAMILY = {"spot-sets": "threshold", "sets-oracle": "threshold"}
+THRESHOLD_FAMILY = {
+    "spot-sets": "threshold",
+    "stale-sets": "threshold",
+    "sets-oracle": "threshold",
+    "spot-sets-dynamic": "dynamic",
+}
 
 
 @dataclass(frozen=True)

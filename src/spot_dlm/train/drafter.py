@@ -25,10 +25,10 @@ class Examples:
     depth: np.ndarray  # int64 [M]: d >= 1 (predict the commit of step i + d)
 
 
-def build_examples(data: dict[str, np.ndarray], max_depth: int, rows: np.ndarray) -> Examples:
-    """All (i, d) with rows i and i + d in the same block, i in ``rows``, and one commit at step i + d."""
+def build_examples(data: dict[str, np.ndarray], max_depth: int, rows: np.ndarray, sets: bool = False) -> Examples:
+    """All (i, d) with rows i and i + d in the same block, i in ``rows`` (order model: one commit at step i + d)."""
     block, n_rows = data["block_id"], len(data["block_id"])
-    one_commit = data["committed"].sum(-1) == 1
+    one_commit = np.ones(n_rows, dtype=bool) if sets else data["committed"].sum(-1) == 1
     picks_row, picks_depth = [], []
     for d in range(1, max_depth + 1):
         i = rows[rows + d < n_rows]
@@ -51,8 +51,24 @@ def batch_tensors(data: dict[str, np.ndarray], cum_committed: np.ndarray, ex: Ex
         torch.from_numpy(coupled.astype(np.float32)),
     )
     allowed = torch.from_numpy(masked & ~branch)
-    target = torch.from_numpy(data["committed"][i + d].argmax(-1))
+    target = torch.from_numpy(data["committed"][i + d])  # bool [B, L]: the set committed by step i + d
     return features, allowed, target
+
+
+def objective_loss(model: OrderModel, features, allowed, target, sets: bool) -> torch.Tensor:
+    """Order model: cross-entropy over allowed positions; sets model: per-position BCE on allowed positions."""
+    logits = model(features)
+    if not sets:
+        return F.cross_entropy(logits.masked_fill(~allowed, float("-inf")), target.float().argmax(-1))
+    losses = F.binary_cross_entropy_with_logits(logits, target.float(), reduction="none")
+    return (losses * allowed).sum() / allowed.sum().clamp_min(1)
+
+
+def predicted_set(model: OrderModel, features, allowed) -> torch.Tensor:
+    """The set a sets model proposes first: positions with q >= 0.5 plus the most likely one. -> bool [B, L]"""
+    logits = model(features).masked_fill(~allowed, float("-inf"))
+    top = torch.zeros_like(allowed).scatter_(-1, logits.argmax(-1, keepdim=True), True)
+    return ((torch.sigmoid(logits) >= 0.5) | top) & allowed
 
 
 def masked_logits(model: OrderModel, features: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -60,13 +76,19 @@ def masked_logits(model: OrderModel, features: torch.Tensor, allowed: torch.Tens
 
 
 @torch.no_grad()
-def accuracy_by_depth(model, data, cum, ex: Examples, max_depth: int, batch_size: int = 2048) -> dict[int, float]:
+def accuracy_by_depth(
+    model, data, cum, ex: Examples, max_depth: int, sets: bool = False, batch_size: int = 2048
+) -> dict[int, float]:
+    """Order model: next-commit position accuracy; sets model: exact-set accuracy of the first proposed set."""
     model.eval()
     correct, total = np.zeros(max_depth + 1), np.zeros(max_depth + 1)
     for start in range(0, len(ex.row), batch_size):
         index = np.arange(start, min(start + batch_size, len(ex.row)))
         features, allowed, target = batch_tensors(data, cum, ex, index)
-        hit = (masked_logits(model, features, allowed).argmax(-1) == target).numpy()
+        if sets:
+            hit = (predicted_set(model, features, allowed) == target).all(-1).numpy()
+        else:
+            hit = (masked_logits(model, features, allowed).argmax(-1) == target.float().argmax(-1)).numpy()
         np.add.at(correct, ex.depth[index], hit)
         np.add.at(total, ex.depth[index], 1)
     model.train()
@@ -82,7 +104,7 @@ def naive_accuracy(data, cum, ex: Examples, max_depth: int) -> dict[int, float]:
             continue
         features, allowed, target = batch_tensors(data, cum, ex, index)
         guess = features[..., -1].masked_fill(~allowed, -1.0).argmax(-1)
-        out[d] = float((guess == target).float().mean())
+        out[d] = float((guess == target.float().argmax(-1)).float().mean())
     return out
 
 
@@ -95,6 +117,7 @@ def train_drafter(
     lr: float = 1e-3,
     threads: int = 1,
     seed: int = 0,
+    sets: bool = False,
 ) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -103,8 +126,8 @@ def train_drafter(
     heldout_prompts = set(np.random.default_rng(seed).choice(prompts, size=max(1, len(prompts) // 10), replace=False))
     is_heldout = np.isin(data["prompt_id"], list(heldout_prompts))
     cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
-    train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout))
-    held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout))
+    train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout), sets)
+    held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout), sets)
     model = OrderModel(OrderModelConfig())
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
@@ -117,7 +140,7 @@ def train_drafter(
             progress = (time.time() - start) / budget
             for group in optimizer.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
-            loss = F.cross_entropy(masked_logits(model, features, allowed), target)
+            loss = objective_loss(model, features, allowed, target, sets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -126,9 +149,14 @@ def train_drafter(
             loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
             bar.update(int(time.time() - start) - bar.n)
             bar.set_postfix(loss=f"{loss_ema:.3f}", step=step)
+    accuracy = accuracy_by_depth(model, data, cum, held_ex, max_depth, sets)
     metrics = {
-        "heldout_next_commit_accuracy_by_depth": accuracy_by_depth(model, data, cum, held_ex, max_depth),
-        "heldout_naive_stale_confidence_accuracy_by_depth": naive_accuracy(data, cum, held_ex, max_depth),
+        "objective": "sets" if sets else "order",
+        ("heldout_exact_set_accuracy_by_depth" if sets else "heldout_next_commit_accuracy_by_depth"): accuracy,
+    }
+    if not sets:
+        metrics["heldout_naive_stale_confidence_accuracy_by_depth"] = naive_accuracy(data, cum, held_ex, max_depth)
+    metrics |= {
         "train_examples": int(len(train_ex.row)),
         "heldout_examples": int(len(held_ex.row)),
         "steps": step,

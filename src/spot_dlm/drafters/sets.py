@@ -1,0 +1,103 @@
+"""SPOT-Sets: draft whole commit sets for threshold (multi-commit) decoding.
+
+A drafter gives, per still-masked position, the probability ``q_j`` that it joins the next commit set. Candidate
+sets come from a few cut-offs on ``q`` (each set always holds the most likely position), scored as independent
+Bernoullis: ``log P(S) = sum_{j in S} log q_j + sum_{j not in S} log(1 - q_j)``. Tokens are the stale coupled
+guesses; acceptance is exact state equality (same set, same tokens, same pass count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spot_dlm.decode import DraftContext
+from spot_dlm.drafters.base import ChildProposer, StaleGuesses, grow_tree
+from spot_dlm.drafters.order_model import OrderModel, order_features, stale_top_probs
+from spot_dlm.tree import DraftTree
+
+DEFAULT_CUTOFFS = (0.9, 0.7, 0.5, 0.3, 0.15)
+
+
+def candidate_sets(join_prob: torch.Tensor, allowed: torch.Tensor, cutoffs: tuple[float, ...], keep: int):
+    """Distinct candidate sets of one node with their log-probabilities, best first.
+
+    join_prob float [L] in (0, 1); allowed bool [L]. Returns [(log-prob, positions)] (at most ``keep``).
+    """
+    if not bool(allowed.any()):
+        return []
+    q = join_prob.to(torch.float64).clamp(1e-6, 1 - 1e-6)
+    order = torch.sort(q.masked_fill(~allowed, -1.0), descending=True, stable=True).indices
+    order = order[: int(allowed.sum())]
+    sizes = {1} | {max(1, int((q[order] >= c).sum())) for c in cutoffs}
+    log_in, log_out = q.log(), (1 - q).log()
+    base_out = float(log_out[allowed].sum())
+    options = []
+    for size in sorted(sizes):
+        members = order[:size]
+        score = base_out + float((log_in[members] - log_out[members]).sum())
+        options.append((score, tuple(members.tolist())))
+    return sorted(options, key=lambda o: -o[0])[:keep]
+
+
+def sets_children(join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: int) -> ChildProposer:
+    """ChildProposer from a function (states [B, L], steps) -> join probabilities [B, L]."""
+
+    def children(states: torch.Tensor, steps: list[int]):
+        probs = join_probs(states, steps)
+        allowed = states == mask_id
+        return [candidate_sets(p, a, cutoffs, keep) for p, a in zip(probs, allowed)]
+
+    return children
+
+
+@dataclass(frozen=True)
+class StaleSetsDrafter:
+    """Training-free: the join probability of a position is its stale coupled confidence (cut-offs at tau...)."""
+
+    budget: int = 16
+    depth: int = 8
+    cutoffs: tuple[float, ...] = DEFAULT_CUTOFFS
+    name: str = "stale-sets"
+
+    def propose(self, context: DraftContext) -> DraftTree:
+        guesses = StaleGuesses(context)
+
+        def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+            return torch.stack([guesses.at(s).confidence for s in steps]).clamp(0, 1)
+
+        cutoffs = tuple(sorted({context.rule.tau, *self.cutoffs}, reverse=True))
+        children = sets_children(join_probs, cutoffs, self.budget - 1, context.mask_id)
+        return grow_tree(context, self.budget, self.depth, guesses=guesses, children=children)
+
+
+@dataclass(frozen=True)
+class SetsDrafter:
+    """SPOT-Sets: the order-model architecture read as per-position join probabilities (sigmoid)."""
+
+    model: OrderModel
+    budget: int = 16
+    depth: int = 8
+    cutoffs: tuple[float, ...] = DEFAULT_CUTOFFS
+    name: str = "spot-sets"
+
+    @torch.no_grad()
+    def propose(self, context: DraftContext) -> DraftTree:
+        guesses = StaleGuesses(context)
+        top_probs = stale_top_probs(context.stale_logits, context.mask_id, self.model.config.top_k)  # [L, k]
+        stale_masked = context.parent == context.mask_id  # [L]
+
+        def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+            node_masked = states == context.mask_id
+            coupled = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(0)  # [B, L]
+            features = order_features(
+                top_probs.expand(states.shape[0], -1, -1),
+                stale_masked.expand_as(states),
+                stale_masked & ~node_masked,
+                coupled,
+            )
+            return torch.sigmoid(self.model(features.to(next(self.model.parameters()).device))).to(states.device)
+
+        children = sets_children(join_probs, self.cutoffs, self.budget - 1, context.mask_id)
+        return grow_tree(context, self.budget, self.depth, guesses=guesses, children=children)
