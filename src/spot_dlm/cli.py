@@ -183,6 +183,34 @@ def _train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate_target(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from spot_dlm.train.data import heldout_items, train_questions
+    from spot_dlm.train.evaluate import decode_report, heldout_nelbo
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    target, codec = load_target(args.model)
+    report: dict = {"model": args.model or "builtin", "parameters": target.model.num_parameters()}
+    if args.heldout_tokens:
+        tokens = np.load(args.heldout_tokens)
+        report["heldout_nelbo_per_token"] = {
+            str(b): heldout_nelbo(target.model, tokens, b) for b in args.block_lengths
+        }
+    seen = train_questions(100_000)
+    for source in ("gsm_symbolic", "gsm8k"):
+        items = heldout_items(source, args.n_prompts, seen if source == "gsm_symbolic" else frozenset())
+        report[source] = {str(b): decode_report(target, codec, items, b, args.gen_length) for b in args.block_lengths}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
 class BenchDefaults:
     methods = ("standard", "spot", "stale", "chain", "calibrated", "oracle")
 
@@ -261,6 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--seed", type=int, default=1)
     col.add_argument("--threads", type=int, default=1)
     col.set_defaults(func=_collect)
+
+    ev = sub.add_parser("evaluate-target", help="held-out NELBO, accuracy, well-formedness, stale agreement")
+    ev.add_argument("--model", default=None)
+    ev.add_argument("--n-prompts", type=int, default=50)
+    ev.add_argument("--block-lengths", type=_csv(int), default=(16, 32))
+    ev.add_argument("--gen-length", type=int, default=256)
+    ev.add_argument("--heldout-tokens", default=None, help="heldout_tokens.npy from prepare-data (for NELBO)")
+    ev.add_argument("--threads", type=int, default=0)
+    ev.add_argument("--json", default=None)
+    ev.set_defaults(func=_evaluate_target)
 
     tdr = sub.add_parser("train-drafter", help="train SPOT's order model on logged trajectories")
     tdr.add_argument("--shards", default="runs/trajectories")

@@ -30,26 +30,35 @@ def autoregressive_loss(model: BlockDiffusionLM, tokens: torch.Tensor) -> LossOu
 
 def mask_blocks(
     tokens: torch.Tensor, block_length: int, mask_id: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask each block with its own ratio t ~ U(0, 1). tokens [B, T] -> (noisy [B, T], is_masked bool [B, T])"""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mask each block with its own ratio t ~ U(0, 1).
+
+    tokens [B, T] -> (noisy [B, T], is_masked bool [B, T], ratio float [B, T]: the t of each token's block)
+    """
     batch, seq_len = tokens.shape
     ratio = torch.rand(batch, seq_len // block_length, 1, generator=generator, device=tokens.device)
     ratio = ratio.expand(-1, -1, block_length).reshape(batch, seq_len)
     is_masked = torch.rand(batch, seq_len, generator=generator, device=tokens.device) < ratio
-    return torch.where(is_masked, torch.full_like(tokens, mask_id), tokens), is_masked
+    return torch.where(is_masked, torch.full_like(tokens, mask_id), tokens), is_masked, ratio
 
 
 def block_diffusion_loss(
-    model: BlockDiffusionLM, tokens: torch.Tensor, block_length: int, generator: torch.Generator
+    model: BlockDiffusionLM,
+    tokens: torch.Tensor,
+    block_length: int,
+    generator: torch.Generator,
+    nelbo: bool = False,
 ) -> LossOutput:
     """Masked cross-entropy inside blocks, clean earlier text as context (two-stream input [clean ; noisy]).
 
     The token at position p is predicted from the hidden state at p - 1: inside a block that is the noisy
     stream, at a block's first position it is the clean stream (the last token before the block).
-    tokens int64 [B, T] with T a multiple of block_length.
+    tokens int64 [B, T] with T a multiple of block_length. ``nelbo=True`` returns the negative ELBO per token
+    instead (each masked token's cross-entropy weighted by 1 / t of its block, averaged over all predicted
+    positions), the masked-diffusion likelihood bound.
     """
     batch, seq_len = tokens.shape
-    noisy, is_masked = mask_blocks(tokens, block_length, model.config.mask_id, generator)
+    noisy, is_masked, ratio = mask_blocks(tokens, block_length, model.config.mask_id, generator)
     layout = two_stream_layout(seq_len, block_length, tokens.device)
     mask = attention_mask(layout, 0)[None].expand(batch, -1, -1)
     hidden, _ = model(torch.cat([tokens, noisy], 1), layout.positions[None].expand(batch, -1), mask)  # [B, 2T, d]
@@ -59,6 +68,10 @@ def block_diffusion_loss(
     targets = is_masked[:, 1:]
     logits = model.logits(predictor[targets])  # [M, V]
     n_tokens = int(targets.sum())
+    if nelbo:
+        per_token = F.cross_entropy(logits.float(), tokens[:, 1:][targets], reduction="none")
+        weighted = (per_token / ratio[:, 1:][targets].clamp_min(1e-3)).sum()
+        return LossOutput(loss=weighted / targets.numel(), n_tokens=targets.numel())
     if n_tokens == 0:
         return LossOutput(loss=hidden.sum() * 0.0, n_tokens=0)
     loss = F.cross_entropy(logits.float(), tokens[:, 1:][targets])
