@@ -49,6 +49,7 @@ def plot_commit_order(generations: list[Generation], block_length: int, path: Pa
         ax.set_title(f"{gen.method}: commit step per position ({gen.target_passes} target passes)")
         ax.set_xlabel("position in block")
         ax.set_ylabel("block")
+        ax.set_yticks(range(len(grid)))
         fig.colorbar(image, ax=ax, label="commit step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -65,9 +66,13 @@ def run_demo(
     seed: int,
     plot_path: Path | None,
 ) -> None:
-    target, codec = load_target(model)
-    folder = Path(model) if model not in (None, "builtin") else None
-    state = load_training_state(folder) if folder else load_training_state(_builtin_folder())
+    folder = Path(model) if model not in (None, "builtin") else _builtin_folder()
+    if not (folder / "model.safetensors").is_file() and model in (None, "builtin"):
+        target, codec = _random_builtin(folder)
+        print("NOTE: no trained built-in checkpoint is shipped yet: this demo runs a RANDOMLY INITIALISED model.")
+    else:
+        target, codec = load_target(model)
+    state = load_training_state(folder)
     if not state:
         print("NOTE: this checkpoint carries no training record; outputs may come from an untrained model.")
     else:
@@ -76,6 +81,12 @@ def run_demo(
             f"trained: {json.dumps(state.get('tokens_seen', {}))} tokens (ar = autoregressive, bd = block diffusion)"
         )
     generations = []
+    from spot_dlm.api import DRAFTER_FACTORIES
+
+    for method in list(methods):
+        if method in DRAFTER_FACTORIES and not _drafter_available(method, target):
+            print(f"NOTE: skipping {method}: no drafter is shipped for it yet")
+            methods.remove(method)
     for method in methods:
         config = GenerateConfig(
             method=method, block_length=block_length, gen_length=gen_length, temperature=temperature, seed=seed
@@ -99,6 +110,29 @@ def run_demo(
     if plot_path is not None:
         plot_commit_order(generations, block_length, plot_path, lambda i: codec.decode([i]).strip() or "·")
         print(f"commit-order picture: {plot_path}")
+
+
+def _drafter_available(method: str, target) -> bool:
+    from spot_dlm.api import make_drafter
+
+    try:
+        make_drafter(GenerateConfig(method=method), target)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+def _random_builtin(folder: Path):
+    import torch
+
+    from spot_dlm.models.builtin import BuiltinTarget
+    from spot_dlm.models.tokenizer import TextCodec
+    from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
+
+    codec = TextCodec.from_file(folder / "tokenizer.json")
+    torch.manual_seed(0)
+    model = BlockDiffusionLM(ModelConfig(vocab_size=codec.vocab_size)).eval()
+    return BuiltinTarget(model=model, name="builtin-random-init"), codec
 
 
 def _builtin_folder() -> Path:
