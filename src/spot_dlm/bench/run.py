@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import shlex
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -173,6 +174,11 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
         items = task_items(task, bench.n_prompts)
         cfg = GenerateConfig(block_length=bench.block_length, gen_length=bench.gen_length)
         items = [it for it in items if _fits(it["question"], codec, cfg, target)]
+        if not items:
+            raise ValueError(
+                f"no {task} prompt fits the model's {target.max_length}-token context with gen length "
+                f"{bench.gen_length}"
+            )
         for temperature in bench.temperatures:
             baselines = {"standard": run_setting(target, codec, items, "standard", 1, temperature, 0.9, bench, None)}
             rows.append(_row(task, "standard", None, temperature, None, baselines["standard"], items, None, None))
@@ -315,4 +321,8 @@ def reproduce_command(bench: BenchConfig) -> str:
         f"--seed {bench.seed}",
         f"--depth {bench.depth}",
     ]
+    if bench.model is not None:
+        parts.append(f"--model {shlex.quote(str(bench.model))}")
+    if bench.drafter is not None:
+        parts.append(f"--drafter {shlex.quote(str(bench.drafter))}")
     return " ".join(parts) + f"  (at {time.strftime('%Y-%m-%d')})"

@@ -33,6 +33,14 @@ class OrderModelConfig:
     max_block_length: int = 64
     mlp_ratio: int = 4
 
+    def __post_init__(self) -> None:
+        for name in ("top_k", "d_model", "n_layers", "n_heads", "max_block_length", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"drafter config {name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"drafter d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+
     @property
     def n_features(self) -> int:
         return self.top_k + N_FLAG_FEATURES
@@ -91,12 +99,22 @@ def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = Non
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, str(folder / "drafter.safetensors")
-    )
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    metadata = {"config": json.dumps(asdict(model.config))}
+    save_file(tensors, str(folder / "drafter.safetensors"), metadata=metadata)
     (folder / "drafter_config.json").write_text(json.dumps(asdict(model.config), indent=2))
     if metrics is not None:
         (folder / "drafter_metrics.json").write_text(json.dumps(metrics, indent=2))
+
+
+def _check_config_metadata(path: Path, config: OrderModelConfig) -> None:
+    """The weights record the config they were trained with; a config file that disagrees is rejected."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as handle:
+        recorded = (handle.metadata() or {}).get("config")
+    if recorded is not None and json.loads(recorded) != asdict(config):
+        raise ValueError(f"drafter config does not match the config recorded in {path}: {recorded}")
 
 
 def load_order_model(folder: Path) -> OrderModel:
@@ -106,9 +124,10 @@ def load_order_model(folder: Path) -> OrderModel:
         raise FileNotFoundError(f"drafter config not found: {config_path}")
     try:
         config = OrderModelConfig(**json.loads(config_path.read_text()))
-    except (json.JSONDecodeError, TypeError) as err:
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
         raise ValueError(f"invalid drafter config {config_path}: {err}") from err
     weights = load_weights(folder / "drafter.safetensors")
+    _check_config_metadata(folder / "drafter.safetensors", config)
     model = OrderModel(config)
     check_state_dict(model.state_dict(), weights, folder / "drafter.safetensors")
     model.load_state_dict(weights)

@@ -51,7 +51,8 @@ class RandomDrafter:
         generator = torch.Generator().manual_seed(_context_seed(context, self.salt))
         guesses = StaleGuesses(context)
         vocab = context.stale_logits.shape[-1]
-        for step_index in range(context.root_step, context.root_step + self.depth + 1):
+        steps = range(context.root_step, context.root_step + self.depth + 1) if context.rule.needs_noise else (0,)
+        for step_index in steps:  # without noise all steps share one cached guess: perturb it once
             proposal = guesses.at(step_index)
             swap = torch.rand(proposal.tokens.shape, generator=generator) < self.token_noise
             random_tokens = torch.randint(0, vocab, proposal.tokens.shape, generator=generator)

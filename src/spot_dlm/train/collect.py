@@ -46,7 +46,7 @@ class TrajectoryLog:
             )
             guesses = StaleGuesses(context)
             coupled = [guesses.at(rec.step_index + d).confidence for d in range(1, self.depth + 1)]
-            self.top.append(stale_top_probs(rec.logits, mask_id).numpy().astype(np.float16))
+            self.top.append(stale_top_probs(rec.logits, mask_id).cpu().numpy().astype(np.float16))
             self.masked.append((rec.state == mask_id).cpu().numpy())
             self.committed.append(((rec.state == mask_id) & (rec.next_state != mask_id)).cpu().numpy())
             self.coupled.append(torch.stack(coupled).float().cpu().numpy().astype(np.float16))

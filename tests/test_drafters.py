@@ -1,0 +1,619 @@
+"""Drafters: best-first tree growth, the training-free and calibrated drafters, the order model and its pipeline
+(collect trajectories -> train the order model)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from spot_dlm.decode import DraftContext
+from spot_dlm.drafters.base import StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.calibrated import load_rank_counts, rank_path_counts, save_rank_counts, select_rank_paths
+from spot_dlm.drafters.order_model import (
+    OrderModel,
+    OrderModelConfig,
+    SpotDrafter,
+    load_order_model,
+    order_features,
+    save_order_model,
+    stale_top_probs,
+)
+from spot_dlm.drafters.simple import CalibratedDrafter, ChainDrafter, ranked_allowed
+from spot_dlm.models.builtin import BuiltinTarget
+from spot_dlm.noise import NoiseKey
+from spot_dlm.rules import CommitRule
+from spot_dlm.train.collect import SHARD_ARRAYS, CollectConfig, collect, load_shards
+from spot_dlm.train.drafter import train_drafter
+from spot_dlm.tree import DraftTree
+
+torch.set_num_threads(1)
+
+MASK, L, V = 2, 8, 12
+ROOT_COMMIT = 7  # the free commit of the root fills the last position
+
+
+def make_context(temperature: float = 0.0, seed: int = 0, root_step: int = 1, kind: str = "one") -> DraftContext:
+    """A hand-made draft context: random stale logits over V tokens, a root with one position committed."""
+    generator = torch.Generator().manual_seed(seed)
+    stale = torch.randn(L, V, generator=generator, dtype=torch.float64) * 3
+    parent = torch.full((L,), MASK, dtype=torch.int64)
+    root = parent.clone()
+    root[ROOT_COMMIT] = 5
+    rule = CommitRule(kind, temperature=temperature, tau=0.3)
+    return DraftContext(root, parent, stale, root_step, 1, NoiseKey(seed, 3), rule, MASK)
+
+
+def committed_positions(parent: torch.Tensor, child: torch.Tensor) -> list[int]:
+    return torch.nonzero(parent != child).flatten().tolist()
+
+
+def check_one_commit_tree(tree: DraftTree, context: DraftContext) -> None:
+    """Each non-root node commits one position that its parent had masked, with the stale coupled guess of the
+    parent's step; every node still has a masked position; no state is stored twice."""
+    guesses = StaleGuesses(context)
+    assert torch.equal(tree.states[0], context.root)
+    assert tree.parents[0] == -1
+    assert tree.steps[0] == context.root_step
+    for node in range(1, len(tree)):
+        parent = tree.parents[node]
+        assert 0 <= parent < node
+        assert tree.steps[node] == tree.steps[parent] + 1
+        changed = committed_positions(tree.states[parent], tree.states[node])
+        assert len(changed) == 1, (node, changed)
+        (position,) = changed
+        assert tree.states[parent][position] == MASK
+        assert tree.states[node][position] == guesses.at(tree.steps[parent]).tokens[position]
+    assert bool((tree.states == MASK).any(-1).all())
+    assert len({(s, tuple(x.tolist())) for s, x in zip(tree.steps, tree.states)}) == len(tree)
+
+
+def state_scorer(seed: int):
+    """A random PositionScorer that is a pure function of the node's state (so path scores can be recomputed)."""
+    generator = torch.Generator().manual_seed(seed)
+    bias = torch.randn(L, generator=generator, dtype=torch.float64) * 2
+    mixing = torch.randn(L, L, generator=generator, dtype=torch.float64)
+    calls: list[list[int]] = []
+
+    def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        calls.append(list(steps))
+        scores = bias + (states != MASK).to(torch.float64) @ mixing
+        return masked_log_normalise(scores, states == MASK)
+
+    scorer.calls = calls
+    return scorer
+
+
+def order_scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+    """Strongly prefers committing the lowest masked position first: 0, 1, 2, ..."""
+    scores = -20.0 * torch.arange(L, dtype=torch.float64).expand(states.shape[0], -1)
+    return masked_log_normalise(scores, states == MASK)
+
+
+# ------------------------------------------------------------------------------------------------- grow_tree
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(("budget", "depth"), [(1, 4), (2, 1), (5, 2), (8, 3), (16, 8), (40, 6)])
+def test_grow_tree_invariants(temperature: float, budget: int, depth: int) -> None:
+    context = make_context(temperature, seed=budget + depth)
+    scorer = state_scorer(budget * depth)
+    tree = grow_tree(context, budget, depth, scorer)
+    assert 1 <= len(tree) <= budget
+    assert max(tree.depths()) <= depth
+    check_one_commit_tree(tree, context)
+    if budget > 1:
+        assert len(tree) > 1
+    # the scorer is asked about nodes at consecutive step indices, one depth per call
+    for level, steps in enumerate(scorer.calls):
+        assert set(steps) == {context.root_step + level}
+
+
+def path_logprob(tree: DraftTree, node: int, scorer) -> float:
+    total = 0.0
+    while tree.parents[node] >= 0:
+        parent = tree.parents[node]
+        (position,) = committed_positions(tree.states[parent], tree.states[node])
+        total += float(scorer(tree.states[parent][None], [tree.steps[parent]])[0, position])
+        node = parent
+    return total
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("budget", "depth"), [(4, 3), (9, 4), (20, 3)])
+def test_grow_tree_is_best_first(temperature: float, seed: int, budget: int, depth: int) -> None:
+    """No child left out of the tree (within the depth limit) has a higher path probability than a node kept."""
+    context = make_context(temperature, seed=seed)
+    scorer = state_scorer(100 + seed)
+    tree = grow_tree(context, budget, depth, scorer)
+    assert len(tree) == budget  # plenty of candidates: the budget is used up
+    guesses = StaleGuesses(context)
+    kept = [path_logprob(tree, n, scorer) for n in range(len(tree))]
+    depths = tree.depths()
+    frontier = []
+    for node in range(len(tree)):
+        if depths[node] >= depth:
+            continue
+        scores = scorer(tree.states[node][None], [tree.steps[node]])[0]
+        tokens = guesses.at(tree.steps[node]).tokens
+        for position in torch.nonzero(tree.states[node] == MASK).flatten().tolist():
+            child = tree.states[node].clone()
+            child[position] = tokens[position]
+            if not bool((child == MASK).any()) or tree.lookup(child, tree.steps[node] + 1) is not None:
+                continue
+            frontier.append(kept[node] + float(scores[position]))
+    assert frontier
+    assert max(frontier) <= min(kept[1:]) + 1e-9
+
+
+def test_grow_tree_prefers_the_scored_order() -> None:
+    context = make_context(0.0)
+    tree = grow_tree(context, budget=5, max_depth=8, position_logprobs=order_scorer)
+    assert tree.parents == (-1, 0, 1, 2, 3)  # the whole budget goes to the chain 0 -> 1 -> 2 -> 3
+    for node in range(1, 5):
+        assert committed_positions(tree.states[node - 1], tree.states[node]) == [node - 1]
+
+    wide = grow_tree(context, budget=9, max_depth=3, position_logprobs=order_scorer)
+    assert max(wide.depths()) == 3
+    chain = [0]
+    for position in range(3):
+        child = wide.states[chain[-1]].clone()
+        child[position] = StaleGuesses(context).at(wide.steps[chain[-1]]).tokens[position]
+        node = wide.lookup(child, wide.steps[chain[-1]] + 1)
+        assert node is not None, f"chain 0 -> 1 -> 2 broken at position {position}"
+        assert wide.parents[node] == chain[-1]
+        chain.append(node)
+
+
+def test_grow_tree_merges_commit_orders_at_t0() -> None:
+    """At T = 0 committing a then b or b then a gives one state: it is stored once."""
+    context = make_context(0.0)
+
+    def two_positions(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        scores = torch.full(states.shape, -30.0, dtype=torch.float64)
+        scores[:, :2] = 0.0
+        return masked_log_normalise(scores, states == MASK)
+
+    tree = grow_tree(context, budget=16, max_depth=2, position_logprobs=two_positions)
+    check_one_commit_tree(tree, context)
+    both = context.root.clone()
+    both[:2] = StaleGuesses(context).at(0).tokens[:2]
+    node = tree.lookup(both, context.root_step + 2)
+    assert node is not None
+    assert sum(bool(torch.equal(s, both)) for s in tree.states) == 1
+
+
+def test_stale_guesses_follow_the_step_noise() -> None:
+    """At T > 0 the guess for step c uses the Gumbel noise of step c; at T = 0 every step guesses the argmax."""
+    cold = StaleGuesses(make_context(0.0, seed=3))
+    stale = make_context(0.0, seed=3).stale_logits.clone()
+    stale[:, MASK] = float("-inf")
+    assert torch.equal(cold.at(1).tokens, stale.argmax(-1))
+    assert torch.equal(cold.at(5).tokens, cold.at(1).tokens)
+    context = make_context(1.0, seed=3)
+    hot = StaleGuesses(context)
+    for step_index in (1, 2, 6):
+        noise = context.noise.gumbel(context.block_index, step_index, torch.arange(L), V)
+        assert torch.equal(hot.at(step_index).tokens, (stale + noise).argmax(-1))
+    assert any(not torch.equal(hot.at(1).tokens, hot.at(s).tokens) for s in range(2, 8))
+
+
+# ------------------------------------------------------------------------------ chain and calibrated drafters
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(("budget", "depth", "length"), [(16, 8, 6), (4, 8, 3), (16, 2, 2), (1, 8, 0), (3, 1, 1)])
+def test_chain_drafter_single_path(temperature: float, budget: int, depth: int, length: int) -> None:
+    """One path of min(budget - 1, depth) commits (the root has 7 masked positions; complete states are never
+    drafted, so at most 6), each committing the most confident still-masked position under its step's guess."""
+    context = make_context(temperature, seed=11)
+    tree = ChainDrafter(budget=budget, depth=depth).propose(context)
+    assert len(tree) == length + 1
+    assert tree.parents == tuple(range(-1, length))
+    assert tree.depths() == list(range(length + 1))
+    check_one_commit_tree(tree, context)
+    guesses = StaleGuesses(context)
+    for node in range(1, len(tree)):
+        parent = tree.states[node - 1]
+        proposal = guesses.at(tree.steps[node - 1])
+        best = ranked_allowed(proposal.confidence, parent == MASK)[0]
+        assert committed_positions(parent, tree.states[node]) == [int(best)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_calibrated_drafter_shape(temperature: float) -> None:
+    context = make_context(temperature, seed=5)
+    guesses = StaleGuesses(context)
+    tree = CalibratedDrafter(((0,), (1,), (0, 0)), budget=16).propose(context)
+    assert len(tree) == 4
+    assert tree.parents == (-1, 0, 0, 1)
+    assert tree.depths() == [0, 1, 1, 2]
+    check_one_commit_tree(tree, context)
+    ranked_root = ranked_allowed(guesses.at(context.root_step).confidence, context.root == MASK)
+    assert committed_positions(tree.states[0], tree.states[1]) == [int(ranked_root[0])]
+    assert committed_positions(tree.states[0], tree.states[2]) == [int(ranked_root[1])]
+    ranked_child = ranked_allowed(guesses.at(context.root_step + 1).confidence, tree.states[1] == MASK)
+    assert committed_positions(tree.states[1], tree.states[3]) == [int(ranked_child[0])]
+
+    small = CalibratedDrafter(((0,), (1,), (0, 0)), budget=3).propose(context)
+    assert small.parents == (-1, 0, 0)
+    orphan = CalibratedDrafter(((1, 1), (20,)), budget=16).propose(context)  # no parent path; rank beyond L
+    assert len(orphan) == 1
+
+
+# ------------------------------------------------------------------------------------------- calibration
+
+
+def test_select_rank_paths_prefix_closed_most_frequent() -> None:
+    counts = Counter({(0,): 50, (1,): 20, (2,): 4, (0, 0): 30, (0, 1): 12, (1, 0): 15, (0, 0, 0): 25, (5, 5): 99})
+    for budget in range(1, 12):
+        paths = select_rank_paths(counts, budget)
+        assert len(paths) <= budget - 1
+        assert len(set(paths)) == len(paths)
+        chosen = set(paths)
+        assert all(p[:-1] in chosen for p in paths if len(p) > 1), paths
+        assert all(p[:-1] in chosen or len(p) == 1 for p in paths)
+        for later, p in enumerate(paths):  # parents listed before their children
+            assert all(q != p[:-1] for q in paths[later:])
+    assert select_rank_paths(counts, 1) == []
+    assert select_rank_paths(counts, 2) == [(0,)]
+    assert set(select_rank_paths(counts, 4)) == {(0,), (0, 0), (0, 0, 0)}
+    assert set(select_rank_paths(counts, 6)) == {(0,), (0, 0), (0, 0, 0), (1,), (1, 0)}
+    assert (5, 5) not in select_rank_paths(counts, 100)  # its prefix (5,) was never seen
+    assert len(select_rank_paths(counts, 100)) == 7
+
+
+def hand_trajectory() -> dict[str, np.ndarray]:
+    """Two blocks of a 4-position one-commit trajectory plus a row that commits two positions.
+
+    Block 0 commits positions 2, 0, 3, 1; block 1 commits 1, then {0, 2} together, then 3. The coupled
+    confidence ranks positions 2 > 3 > 1 > 0 at every step.
+    """
+    order_block0 = [[2], [0], [3], [1]]
+    order_block1 = [[1], [0, 2], [3]]
+    rows = {name: [] for name in SHARD_ARRAYS}
+    for block, order in ((0, order_block0), (1, order_block1)):
+        masked = np.ones(4, dtype=bool)
+        for step_index, positions in enumerate(order):
+            committed = np.zeros(4, dtype=bool)
+            committed[positions] = True
+            rows["top"].append(np.zeros((4, 32), np.float16))
+            rows["masked"].append(masked.copy())
+            rows["committed"].append(committed)
+            rows["coupled"].append(np.tile(np.array([0.1, 0.2, 0.9, 0.5], np.float16), (3, 1)))
+            rows["block_id"].append(block)
+            rows["step"].append(step_index)
+            rows["prompt_id"].append(0)
+            masked &= ~committed
+    return {name: np.asarray(value) for name, value in rows.items()}
+
+
+def test_rank_path_counts_on_hand_made_trajectory() -> None:
+    data = hand_trajectory()
+    # block 0, row 0 (branch {2}): commit 0 has rank 2 among {3, 1, 0}; then commit 3 has rank 0 among {3, 1},
+    # then commit 1 rank 0 among {1}. row 1 (branch {0}): commit 3 rank 0 among {3, 1}, then commit 1 rank 0.
+    # row 2: commit 1 rank 0.
+    # block 1, row 4 (branch {1}): step 5 commits two positions, so no path starts there; row 5: commit 3 rank 0.
+    expected = Counter({(2,): 1, (2, 0): 1, (2, 0, 0): 1, (0,): 3, (0, 0): 1})
+    assert rank_path_counts(data, max_depth=3) == expected
+    assert rank_path_counts(data, max_depth=1) == Counter({(2,): 1, (0,): 3})
+
+
+def test_rank_counts_round_trip(tmp_path: Path) -> None:
+    counts = Counter({(0,): 7, (1,): 3, (0, 0): 5, (2, 1, 0): 1})
+    path = tmp_path / "calibration.json"
+    save_rank_counts(counts, path)
+    loaded = load_rank_counts(path)
+    assert loaded == counts
+    assert all(isinstance(k, tuple) for k in loaded)
+
+
+@pytest.mark.parametrize("raw", ["not json", "{", '{"a": 1}', '[[[0], "x"]]', "null", "[1, 2]"])
+def test_corrupt_calibration_file(tmp_path: Path, raw: str) -> None:
+    path = tmp_path / "calibration.json"
+    path.write_text(raw)
+    with pytest.raises(ValueError, match="calibration"):
+        load_rank_counts(path)
+
+
+def test_missing_calibration_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_rank_counts(tmp_path / "nowhere.json")
+
+
+# ------------------------------------------------------------------------------------------- order model
+
+
+def test_order_model_size_and_shape() -> None:
+    torch.manual_seed(0)
+    model = OrderModel(OrderModelConfig()).eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 500_000 <= n_params <= 700_000
+    features = torch.rand(3, 16, OrderModelConfig().n_features)
+    assert model(features).shape == (3, 16)
+    with pytest.raises(ValueError, match="exceeds"):
+        model(torch.rand(1, 65, OrderModelConfig().n_features))
+
+
+@pytest.fixture
+def saved_order_model(tmp_path: Path) -> tuple[OrderModel, Path]:
+    torch.manual_seed(1)
+    config = OrderModelConfig(d_model=32, n_layers=2, n_heads=4, max_block_length=16)
+    model = OrderModel(config).eval()
+    folder = tmp_path / "drafter"
+    save_order_model(model, folder, metrics={"note": "random"})
+    return model, folder
+
+
+def test_order_model_round_trip(saved_order_model: tuple[OrderModel, Path]) -> None:
+    model, folder = saved_order_model
+    assert {p.name for p in folder.iterdir()} == {"drafter.safetensors", "drafter_config.json", "drafter_metrics.json"}
+    loaded = load_order_model(folder)
+    assert loaded.config == model.config
+    assert not loaded.training
+    features = torch.rand(2, 12, model.config.n_features)
+    with torch.no_grad():
+        assert torch.equal(loaded(features), model(features))
+
+
+def test_corrupt_order_model_weights(saved_order_model: tuple[OrderModel, Path]) -> None:
+    _, folder = saved_order_model
+    (folder / "drafter.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ValueError, match="drafter.safetensors"):
+        load_order_model(folder)
+
+
+@pytest.mark.parametrize("changes", [{"d_model": 64}, {"n_layers": 3}, {"top_k": 16}, {"max_block_length": 32}])
+def test_order_model_config_not_matching_weights(saved_order_model: tuple[OrderModel, Path], changes: dict) -> None:
+    _, folder = saved_order_model
+    path = folder / "drafter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    with pytest.raises(ValueError, match="does not match"):
+        load_order_model(folder)
+
+
+@pytest.mark.parametrize("raw", ["{", "[1, 2]", '{"unknown_key": 3}'])
+def test_malformed_order_model_config(saved_order_model: tuple[OrderModel, Path], raw: str) -> None:
+    _, folder = saved_order_model
+    (folder / "drafter_config.json").write_text(raw)
+    with pytest.raises(ValueError, match="drafter config"):
+        load_order_model(folder)
+
+
+@pytest.mark.parametrize("changes", [{"n_heads": 5}, {"d_model": -32}, {"top_k": "many"}])
+def test_invalid_order_model_config_values_give_value_error(
+    saved_order_model: tuple[OrderModel, Path], changes: dict
+) -> None:
+    """Invalid values (heads not dividing the width, negative sizes, wrong types) must give a ValueError like
+    every other bad drafter folder, not an AssertionError / RuntimeError / TypeError from torch."""
+    _, folder = saved_order_model
+    path = folder / "drafter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    with pytest.raises(ValueError):
+        load_order_model(folder)
+
+
+def test_missing_order_model(tmp_path: Path, saved_order_model: tuple[OrderModel, Path]) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_order_model(tmp_path / "no-such-folder")
+    _, folder = saved_order_model
+    (folder / "drafter.safetensors").unlink()
+    with pytest.raises(FileNotFoundError):
+        load_order_model(folder)
+
+
+def test_order_model_block_longer_than_max(saved_order_model: tuple[OrderModel, Path]) -> None:
+    model, _ = saved_order_model
+    with pytest.raises(ValueError, match="block length 17"):
+        model(torch.rand(1, 17, model.config.n_features))
+
+
+def test_order_features_layout() -> None:
+    top = torch.rand(4, 32)
+    stale_masked = torch.tensor([True, True, True, False])
+    branch = torch.tensor([False, True, False, False])
+    coupled = torch.tensor([0.5, 0.25, 0.75, 0.9], dtype=torch.float64)
+    features = order_features(top, stale_masked, branch, coupled)
+    assert features.shape == (4, 35)
+    assert features.dtype == torch.float32
+    assert torch.equal(features[:, :32], top)
+    assert features[:, 32].tolist() == [1.0, 1.0, 1.0, 0.0]
+    assert features[:, 33].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert features[:, 34].tolist() == [0.5, 0.0, 0.75, 0.0]  # coupled confidence only where still open
+
+
+def test_stale_top_probs_excludes_mask_and_sorts() -> None:
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    logits[:, MASK] = 50.0  # the mask token would dominate if it were not excluded
+    top = stale_top_probs(logits, MASK, top_k=8)
+    assert top.shape == (5, 8)
+    expected = torch.softmax(torch.cat([logits[:, :MASK], logits[:, MASK + 1 :]], -1), -1).topk(8).values
+    assert torch.allclose(top, expected.float(), atol=1e-6)
+    assert bool((top[:, :-1] >= top[:, 1:]).all())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_spot_drafter_tree_invariants(temperature: float) -> None:
+    torch.manual_seed(2)
+    model = OrderModel(OrderModelConfig(top_k=8, d_model=32, n_layers=1, n_heads=2)).eval()
+    context = make_context(temperature, seed=7)
+    for budget, depth in ((1, 3), (6, 2), (12, 8)):
+        tree = SpotDrafter(model, budget=budget, depth=depth).propose(context)
+        assert len(tree) <= budget
+        assert max(tree.depths()) <= depth
+        check_one_commit_tree(tree, context)
+
+
+# ----------------------------------------------------------------------------- collect -> train pipeline
+
+GEN, BLOCK, DEPTH = 16, 8, 4
+
+
+@pytest.fixture(scope="module")
+def collect_target(tiny_codec, model_factory) -> BuiltinTarget:
+    """A tiny random target whose vocabulary matches the conftest tokenizer, with room for GSM8K prompts."""
+    model = model_factory(vocab_size=tiny_codec.vocab_size, seed=3, dtype=torch.float32, max_seq_len=512)
+    return BuiltinTarget(model)
+
+
+def run_collect(target, codec, out_dir: Path, **overrides) -> tuple[CollectConfig, list[Path]]:
+    fields = {
+        "out_dir": out_dir,
+        "n_prompts": 2,
+        "prompts_per_shard": 1,
+        "temperatures": (0.0, 1.0),
+        "block_length": BLOCK,
+        "gen_length": GEN,
+        "depth": DEPTH,
+    }
+    config = CollectConfig(**{**fields, **overrides})
+    return config, collect(target, codec, config)
+
+
+@pytest.fixture(scope="module")
+def standard_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[CollectConfig, list[Path]]:
+    return run_collect(collect_target, tiny_codec, tmp_path_factory.mktemp("traj") / "standard")
+
+
+@pytest.fixture(scope="module")
+def threshold_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[CollectConfig, list[Path]]:
+    out = tmp_path_factory.mktemp("traj") / "threshold"
+    return run_collect(collect_target, tiny_codec, out, method="threshold", tau=0.1)
+
+
+def check_shard_arrays(data: dict[str, np.ndarray], n_positions: int, depth: int) -> None:
+    n = len(data["block_id"])
+    assert n > 0
+    assert set(data) == set(SHARD_ARRAYS)
+    assert data["top"].shape == (n, n_positions, 32)
+    assert data["masked"].shape == data["committed"].shape == (n, n_positions)
+    assert data["coupled"].shape == (n, depth, n_positions)
+    assert data["masked"].dtype == data["committed"].dtype == np.bool_
+    for name in ("block_id", "step", "prompt_id"):
+        assert data[name].shape == (n,)
+    top = data["top"].astype(np.float32)
+    assert bool((top >= 0).all()) and bool((top.sum(-1) <= 1.01).all())
+    assert bool((top[..., :-1] >= top[..., 1:]).all())  # sorted
+    assert bool((data["committed"] <= data["masked"]).all())  # only masked positions get committed
+    assert bool((data["committed"].sum(-1) >= 1).all())
+    # rows of a block are consecutive, in step order, and each state follows from the previous commit
+    for i in range(n):
+        first = i == 0 or data["block_id"][i] != data["block_id"][i - 1]
+        if first:
+            assert data["step"][i] == 0
+            assert bool(data["masked"][i].all())
+        else:
+            assert data["step"][i] == data["step"][i - 1] + 1
+            assert np.array_equal(data["masked"][i], data["masked"][i - 1] & ~data["committed"][i - 1])
+        last = i == n - 1 or data["block_id"][i + 1] != data["block_id"][i]
+        if last:  # the block ends complete
+            assert np.array_equal(data["committed"][i], data["masked"][i])
+
+
+def test_collect_writes_shards(standard_shards) -> None:
+    config, shards = standard_shards
+    assert len(shards) == 4  # 2 temperatures x 2 prompts, one prompt per shard
+    assert {p.name for p in shards} == {
+        "shard_T0_00000.npz",
+        "shard_T0_00001.npz",
+        "shard_T1_00000.npz",
+        "shard_T1_00001.npz",
+    }
+    assert all(p.is_file() for p in shards)
+    assert not list(config.out_dir.glob("*.tmp.npz"))
+    saved = json.loads((config.out_dir / "collect_config.json").read_text())
+    assert saved["n_prompts"] == 2 and saved["block_length"] == BLOCK and saved["method"] == "standard"
+
+
+def test_loaded_shards_are_consistent_one_commit_trajectories(standard_shards) -> None:
+    _, shards = standard_shards
+    data = load_shards(sorted(shards))
+    check_shard_arrays(data, BLOCK, DEPTH)
+    assert bool((data["committed"].sum(-1) == 1).all())  # standard decoding: one commit per rule step
+    assert set(np.unique(data["step"]).tolist()) <= set(range(BLOCK))
+    assert set(np.unique(data["prompt_id"]).tolist()) == {0, 1}
+    n_blocks = len(np.unique(data["block_id"]))
+    assert len(data["block_id"]) == n_blocks * BLOCK
+    assert n_blocks >= 4  # at least one block per prompt and temperature
+    # block ids stay unique across shards
+    per_shard = [len(np.unique(load_shards([p])["block_id"])) for p in shards]
+    assert sum(per_shard) == n_blocks
+
+
+def test_t0_shard_coupled_confidence_is_the_stale_top_probability(standard_shards) -> None:
+    """At T = 0 the coupled guess of every future step is the stale argmax, whose confidence is the top-1
+    probability (mask token excluded) that ``top`` stores."""
+    _, shards = standard_shards
+    data = load_shards([p for p in shards if p.name.startswith("shard_T0_")])
+    coupled = data["coupled"].astype(np.float32)
+    top1 = data["top"][..., 0].astype(np.float32)
+    assert np.allclose(coupled, top1[:, None, :], atol=2e-3)
+    hot = load_shards([p for p in shards if p.name.startswith("shard_T1_")])["coupled"].astype(np.float32)
+    assert not np.allclose(hot[:, :1], hot[:, 1:2])  # at T = 1 each step has its own noise
+
+
+def test_collect_resumes_by_skipping_existing_shards(standard_shards, collect_target, tiny_codec) -> None:
+    config, shards = standard_shards
+    before = {p: os.stat(p).st_mtime_ns for p in shards}
+    passes = collect_target.counter.passes
+    again = collect(collect_target, tiny_codec, config)
+    assert again == shards
+    assert {p: os.stat(p).st_mtime_ns for p in shards} == before
+    assert collect_target.counter.passes == passes  # nothing was decoded
+
+
+def test_load_shards_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_shards([])
+    path = tmp_path / "shard_bad.npz"
+    np.savez(path, top=np.zeros((1, 2, 32)))
+    with pytest.raises(ValueError, match="lacks"):
+        load_shards([path])
+
+
+def test_threshold_shards(threshold_shards) -> None:
+    config, shards = threshold_shards
+    assert len(shards) == 4
+    data = load_shards(sorted(shards))
+    check_shard_arrays(data, BLOCK, DEPTH)
+    assert int(data["committed"].sum(-1).max()) >= 2  # tau = 0.1 does commit several positions in one step
+
+
+def check_metrics(metrics: dict, key: str, folder: Path) -> None:
+    accuracy = metrics[key]
+    assert accuracy, metrics
+    assert set(accuracy) <= set(range(1, DEPTH + 1))
+    assert all(0.0 <= a <= 1.0 for a in accuracy.values())
+    assert metrics["heldout_examples"] > 0 and metrics["train_examples"] > 0
+    assert metrics["steps"] >= 1
+    assert {p.name for p in folder.iterdir()} >= {"drafter.safetensors", "drafter_config.json", "drafter_metrics.json"}
+    on_disk = json.loads((folder / "drafter_metrics.json").read_text())
+    assert {int(k): v for k, v in on_disk[key].items()} == accuracy
+    model = load_order_model(folder)
+    assert sum(p.numel() for p in model.parameters()) == metrics["parameters"]
+
+
+def test_train_drafter_on_standard_shards(standard_shards, tmp_path: Path) -> None:
+    config, _ = standard_shards
+    out = tmp_path / "drafter"
+    metrics = train_drafter(config.out_dir, out, minutes=0.05, max_depth=DEPTH)
+    assert metrics["objective"] == "order"
+    check_metrics(metrics, "heldout_next_commit_accuracy_by_depth", out)
+    naive = metrics["heldout_naive_stale_confidence_accuracy_by_depth"]
+    assert set(naive) == set(metrics["heldout_next_commit_accuracy_by_depth"])
+    assert all(0.0 <= a <= 1.0 for a in naive.values())
+
+
+def test_train_drafter_sets_on_threshold_shards(threshold_shards, tmp_path: Path) -> None:
+    config, _ = threshold_shards
+    out = tmp_path / "sets_drafter"
+    metrics = train_drafter(config.out_dir, out, minutes=0.05, max_depth=DEPTH, sets=True)
+    assert metrics["objective"] == "sets"
+    check_metrics(metrics, "heldout_exact_set_accuracy_by_depth", out)
+    assert "heldout_naive_stale_confidence_accuracy_by_depth" not in metrics
