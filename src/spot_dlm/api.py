@@ -25,13 +25,15 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.order_model import SpotDrafter, load_order_model
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
-    return SpotDrafter(load_order_model(folder), budget=config.budget, depth=config.depth)
+    return SpotDrafter(
+        load_order_model(folder), budget=config.budget, depth=config.depth, alternatives=config.alternatives
+    )
 
 
 def _stale_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.simple import StaleConfidenceDrafter
 
-    return StaleConfidenceDrafter(budget=config.budget, depth=config.depth)
+    return StaleConfidenceDrafter(budget=config.budget, depth=config.depth, alternatives=config.alternatives)
 
 
 def _chain_drafter(config: GenerateConfig, target: Target) -> Drafter:
@@ -106,6 +108,7 @@ class GenerateConfig:
     stop_at_eos: bool = True
     budget: int = 16  # speculative methods: draft-tree nodes scored per pass (root included)
     depth: int = 8  # speculative methods: maximum draft depth
+    alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 
@@ -124,6 +127,8 @@ class GenerateConfig:
             raise ValueError(f"budget (draft nodes per pass) must be >= 1, got {self.budget}")
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.alternatives < 1:
+            raise ValueError(f"alternatives must be >= 1, got {self.alternatives}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         self.rule()  # validates temperature, tau, min_commits

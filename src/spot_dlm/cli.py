@@ -39,6 +39,8 @@ def _generate(args: argparse.Namespace) -> int:
         tau=args.tau,
         budget=args.budget,
         depth=args.depth,
+        alternatives=args.alternatives,
+        drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
     )
@@ -235,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold (threshold, dynamic, spot-sets)")
     gen.add_argument("--budget", type=int, default=16, help="draft nodes scored per pass (speculative methods)")
     gen.add_argument("--depth", type=int, default=8, help="maximum draft depth (speculative methods)")
+    gen.add_argument("--alternatives", type=int, default=1, help="tokens tried per drafted position (spot, stale)")
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")

@@ -144,9 +144,17 @@ def _drafter_for(method: str, config: GenerateConfig, target, references: list[G
     return make_drafter(config, target)
 
 
+def split_alternatives(method: str) -> tuple[str, int]:
+    """``spot-alt2`` -> ("spot", 2): a speculative method that also tries runner-up tokens."""
+    base, _, alt = method.partition("-alt")
+    return (base, int(alt)) if alt.isdigit() else (method, 1)
+
+
 def run_setting(target, codec, items, method, budget, temperature, tau, bench: BenchConfig, reference):
+    method, alternatives = split_alternatives(method)
     gen_method = {"sets-oracle": "threshold", "oracle": "standard"}.get(method, method)
     config = GenerateConfig(
+        alternatives=alternatives,
         method=gen_method,
         block_length=bench.block_length,
         gen_length=bench.gen_length,

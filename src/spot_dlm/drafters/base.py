@@ -26,6 +26,7 @@ class StaleGuesses:
 
     context: DraftContext
     _cache: dict[int, Proposal] = field(default_factory=dict)
+    _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def at(self, step_index: int) -> Proposal:
         """Tokens int64 [L] and confidence float64 [L] (for every position) under the noise of ``step_index``."""
@@ -42,29 +43,71 @@ class StaleGuesses:
             self._cache[step_index] = Proposal(tokens=full.tokens[0], confidence=full.confidence[0])
         return self._cache[step_index]
 
+    def ranked(self, step_index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The n best coupled tokens per position (rank 0 is ``at(step).tokens``) and their stale log-probs.
+
+        Returns tokens int64 [n, L] and log-probabilities float64 [n, L] under the stale distribution.
+        """
+        ctx = self.context
+        step_index = step_index if ctx.rule.needs_noise else 0
+        if (step_index, n) not in self._ranked:
+            length, vocab = ctx.stale_logits.shape
+            z = ctx.stale_logits.to(torch.float64, copy=True)
+            z[:, ctx.mask_id] = float("-inf")
+            score = z
+            if ctx.rule.needs_noise:
+                positions = torch.arange(length, device=ctx.root.device)
+                score = z / ctx.rule.temperature + ctx.noise.gumbel(ctx.block_index, step_index, positions, vocab)
+            tokens = score.topk(n, dim=-1).indices  # [L, n]; ties resolved like argmax for rank 0 below
+            tokens[:, 0] = self.at(step_index).tokens
+            logprob = torch.log_softmax(z, dim=-1).gather(-1, tokens)  # [L, n]
+            self._ranked[(step_index, n)] = (tokens.T.contiguous(), logprob.T.contiguous())
+        return self._ranked[(step_index, n)]
+
+    def tokens(self, step_index: int, rank: int) -> torch.Tensor:
+        """Coupled token guesses of a given rank for every position. -> int64 [L]"""
+        return self.at(step_index).tokens if rank == 0 else self.ranked(step_index, rank + 1)[0][rank]
+
 
 # (node states int64 [B, L], rule-step index applied to each) -> log-probability of each position committing
 # next, float [B, L]; -inf where a position may not commit (not masked in the node)
 PositionScorer = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
 # (node states int64 [B, L], rule-step indices) -> per node, its candidate children as
-# (log-probability, positions committed together), any order
-ChildProposer = Callable[[torch.Tensor, list[int]], list[list[tuple[float, tuple[int, ...]]]]]
+# (log-probability, positions committed together, token rank: 0 = the best coupled guess, 1 = the runner-up, ...)
+Child = tuple[float, tuple[int, ...], int]
+ChildProposer = Callable[[torch.Tensor, list[int]], list[list[Child]]]
 
 
-def one_commit_children(scorer: PositionScorer, keep: int) -> ChildProposer:
-    """Children that each commit one position: the ``keep`` most likely positions of every node."""
+def one_commit_children(
+    scorer: PositionScorer, keep: int, guesses: StaleGuesses | None = None, alternatives: int = 1
+) -> ChildProposer:
+    """Children that each commit one position: the ``keep`` most likely positions of every node.
 
-    def children(states: torch.Tensor, steps: list[int]) -> list[list[tuple[float, tuple[int, ...]]]]:
+    With ``alternatives`` > 1 each position is also tried with its runner-up coupled tokens, scored by
+    ``log q(position) + log p_stale(token)``; with 1, children carry the best guess and the position score only.
+    """
+
+    def children(states: torch.Tensor, steps: list[int]) -> list[list[Child]]:
         scores = scorer(states, steps)  # [B, L]
         rows = []
-        for row in scores:
+        for row, step_index in zip(scores, steps):
             n_children = min(int(torch.isfinite(row).sum()), keep)
             if n_children == 0:
                 rows.append([])
                 continue
             values, positions = row.topk(n_children)
-            rows.append([(v, (p,)) for v, p in zip(values.tolist(), positions.tolist())])
+            if alternatives == 1:
+                rows.append([(v, (p,), 0) for v, p in zip(values.tolist(), positions.tolist())])
+                continue
+            token_logprob = guesses.ranked(step_index, alternatives)[1][:, positions].tolist()  # [A, n]
+            rows.append(
+                [
+                    (v + token_logprob[rank][i], (p,), rank)
+                    for i, (v, p) in enumerate(zip(values.tolist(), positions.tolist()))
+                    for rank in range(alternatives)
+                ]
+            )
         return rows
 
     return children
@@ -86,6 +129,7 @@ def grow_tree(
     position_logprobs: PositionScorer | None = None,
     guesses: StaleGuesses | None = None,
     children: ChildProposer | None = None,
+    alternatives: int = 1,
 ) -> DraftTree:
     """Best-first tree under a node budget (root included) and a depth limit.
 
@@ -94,9 +138,9 @@ def grow_tree(
     budget - 1) best nodes of that depth, batched; the tree keeps the budget - 1 best candidates overall (parents
     always score at least as high as their children).
     """
-    if children is None:
-        children = one_commit_children(position_logprobs, budget - 1)
     guesses = guesses if guesses is not None else StaleGuesses(context)
+    if children is None:
+        children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
     candidates = [_Candidate(context.root, context.root_step, 0.0, -1, 0)]
     level = [0]
     keep = budget - 1
@@ -108,8 +152,8 @@ def grow_tree(
         next_level = []
         for index, options in zip(level, proposals):
             parent = candidates[index]
-            tokens = guesses.at(parent.step).tokens
-            for value, positions in options:
+            for value, positions, rank in options:
+                tokens = guesses.tokens(parent.step, rank)
                 child = parent.state.clone()
                 where = torch.tensor(positions, device=child.device)
                 child[where] = tokens[where]

@@ -141,6 +141,7 @@ class SpotDrafter:
     model: OrderModel
     budget: int = 16
     depth: int = 8
+    alternatives: int = 1  # tokens tried per position (1: the stale coupled guess only)
     name: str = "spot"
 
     @torch.no_grad()
@@ -161,4 +162,4 @@ class SpotDrafter:
             logits = self.model(features.to(next(self.model.parameters()).device))  # [B, L]
             return masked_log_normalise(logits.to(states.device), node_masked)
 
-        return grow_tree(context, self.budget, self.depth, scorer, guesses)
+        return grow_tree(context, self.budget, self.depth, scorer, guesses, alternatives=self.alternatives)

@@ -37,7 +37,7 @@ def candidate_sets(join_prob: torch.Tensor, allowed: torch.Tensor, cutoffs: tupl
     for size in sorted(sizes):
         members = order[:size]
         score = base_out + float((log_in[members] - log_out[members]).sum())
-        options.append((score, tuple(members.tolist())))
+        options.append((score, tuple(members.tolist()), 0))
     return sorted(options, key=lambda o: -o[0])[:keep]
 
 

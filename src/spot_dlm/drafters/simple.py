@@ -18,6 +18,7 @@ class StaleConfidenceDrafter:
 
     budget: int = 16
     depth: int = 8
+    alternatives: int = 1
     name: str = "stale-confidence"
 
     def propose(self, context: DraftContext) -> DraftTree:
@@ -27,7 +28,7 @@ class StaleConfidenceDrafter:
             confidence = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(1e-30)  # [B, L]
             return masked_log_normalise(confidence.log(), states == context.mask_id)
 
-        return grow_tree(context, self.budget, self.depth, scorer, guesses)
+        return grow_tree(context, self.budget, self.depth, scorer, guesses, alternatives=self.alternatives)
 
 
 def _context_seed(context: DraftContext, salt: int) -> int:
