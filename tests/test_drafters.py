@@ -484,7 +484,7 @@ def standard_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[Colle
 @pytest.fixture(scope="module")
 def threshold_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[CollectConfig, list[Path]]:
     out = tmp_path_factory.mktemp("traj") / "threshold"
-    return run_collect(collect_target, tiny_codec, out, method="threshold", tau=0.1)
+    return run_collect(collect_target, tiny_codec, out, method="threshold", taus=(0.1,))
 
 
 def check_shard_arrays(data: dict[str, np.ndarray], n_positions: int, depth: int) -> None:
@@ -520,10 +520,10 @@ def test_collect_writes_shards(standard_shards) -> None:
     config, shards = standard_shards
     assert len(shards) == 4  # 2 temperatures x 2 prompts, one prompt per shard
     assert {p.name for p in shards} == {
-        "shard_T0_00000.npz",
-        "shard_T0_00001.npz",
-        "shard_T1_00000.npz",
-        "shard_T1_00001.npz",
+        "shard_T0_tau0.9_00000.npz",
+        "shard_T0_tau0.9_00001.npz",
+        "shard_T1_tau0.9_00000.npz",
+        "shard_T1_tau0.9_00001.npz",
     }
     assert all(p.is_file() for p in shards)
     assert not list(config.out_dir.glob("*.tmp.npz"))

@@ -38,9 +38,9 @@ def test_candidate_sets_properties(seed: int) -> None:
     options = candidate_sets(q, allowed, CUTOFFS, keep)
     assert 1 <= len(options) <= keep
     best_allowed = int(torch.where(allowed, q, torch.full_like(q, -1.0)).argmax())
-    sets = [positions for _, positions in options]
+    sets = [positions for _, positions, _ in options]
     assert len({frozenset(s) for s in sets}) == len(sets)  # distinct
-    for logprob, positions in options:
+    for logprob, positions, _ in options:
         assert len(positions) == len(set(positions)) >= 1
         assert best_allowed in positions
         assert all(bool(allowed[j]) for j in positions)
@@ -48,7 +48,7 @@ def test_candidate_sets_properties(seed: int) -> None:
         # a set is the top of the allowed positions by q
         outside = [float(q[j]) for j in range(length) if bool(allowed[j]) and j not in positions]
         assert not outside or min(float(q[j]) for j in positions) >= max(outside)
-    logprobs = [lp for lp, _ in options]
+    logprobs = [lp for lp, *_ in options]
     assert logprobs == sorted(logprobs, reverse=True)
 
 
@@ -56,11 +56,11 @@ def test_candidate_sets_cutoffs_define_the_sizes() -> None:
     q = torch.tensor([0.95, 0.1, 0.8, 0.6, 0.2, 0.05])
     allowed = torch.tensor([True, True, True, True, True, False])
     options = candidate_sets(q, allowed, (0.9, 0.7, 0.5), keep=10)
-    assert {positions for _, positions in options} == {(0,), (0, 2), (0, 2, 3)}
+    assert {positions for _, positions, _ in options} == {(0,), (0, 2), (0, 2, 3)}
     only_top = candidate_sets(q, allowed, (0.99,), keep=10)
-    assert [positions for _, positions in only_top] == [(0,)]  # nothing passes: the most likely alone
+    assert [positions for _, positions, _ in only_top] == [(0,)]  # nothing passes: the most likely alone
     masked_best = candidate_sets(q, torch.tensor([False, True, False, True, True, True]), (0.5,), keep=10)
-    assert [positions for _, positions in masked_best] == [(3,)]  # 0 and 2 are not allowed
+    assert [positions for _, positions, _ in masked_best] == [(3,)]  # 0 and 2 are not allowed
 
 
 def test_candidate_sets_empty_allowed() -> None:

@@ -157,7 +157,7 @@ def _collect(args: argparse.Namespace) -> int:
         gen_length=args.gen_length,
         depth=args.depth,
         method=args.method,
-        tau=args.tau,
+        taus=args.taus,
         seed=args.seed,
     )
     shards = collect(target, codec, config)
@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--gen-length", type=int, default=256)
     col.add_argument("--depth", type=int, default=8)
     col.add_argument("--method", default="standard")
-    col.add_argument("--tau", type=float, default=0.9)
+    col.add_argument("--taus", type=_csv(float), default=(0.9,), help="threshold rules: taus to log")
     col.add_argument("--seed", type=int, default=1)
     col.add_argument("--threads", type=int, default=1)
     col.set_defaults(func=_collect)

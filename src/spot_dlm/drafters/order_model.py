@@ -32,6 +32,7 @@ class OrderModelConfig:
     n_heads: int = 8
     max_block_length: int = 64
     mlp_ratio: int = 4
+    threshold_feature: bool = False  # SPOT-Sets: the rule's tau is an input, so one model serves every tau
 
     def __post_init__(self) -> None:
         for name in ("top_k", "d_model", "n_layers", "n_heads", "max_block_length", "mlp_ratio"):
@@ -43,7 +44,7 @@ class OrderModelConfig:
 
     @property
     def n_features(self) -> int:
-        return self.top_k + N_FLAG_FEATURES
+        return self.top_k + N_FLAG_FEATURES + int(self.threshold_feature)
 
 
 class OrderModel(nn.Module):
@@ -82,7 +83,11 @@ def stale_top_probs(stale_logits: torch.Tensor, mask_id: int, top_k: int = TOP_K
 
 
 def order_features(
-    top_probs: torch.Tensor, stale_masked: torch.Tensor, branch_committed: torch.Tensor, coupled_conf: torch.Tensor
+    top_probs: torch.Tensor,
+    stale_masked: torch.Tensor,
+    branch_committed: torch.Tensor,
+    coupled_conf: torch.Tensor,
+    tau: torch.Tensor | float | None = None,
 ) -> torch.Tensor:
     """Drafter input. top_probs [..., L, k]; stale_masked, branch_committed bool [..., L];
     coupled_conf [..., L] (stale confidence of the coupled token for the predicted step) -> float32 [..., L, k + 3]
@@ -91,7 +96,11 @@ def order_features(
         stale_masked & ~branch_committed, coupled_conf.float(), torch.zeros_like(coupled_conf).float()
     )
     flags = torch.stack([stale_masked.float(), branch_committed.float(), coupled], dim=-1)
-    return torch.cat([top_probs.float(), flags], dim=-1)
+    columns = [top_probs.float(), flags]
+    if tau is not None:  # [...] or scalar -> one more column
+        tau = torch.as_tensor(tau, dtype=torch.float32)
+        columns.append(tau.reshape(*tau.shape, *([1] * (flags.dim() - tau.dim()))).expand(*flags.shape[:-1], 1))
+    return torch.cat(columns, dim=-1)
 
 
 def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = None) -> None:

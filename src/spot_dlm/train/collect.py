@@ -23,7 +23,7 @@ from spot_dlm.drafters.base import StaleGuesses
 from spot_dlm.drafters.order_model import stale_top_probs
 from spot_dlm.noise import NoiseKey
 
-SHARD_ARRAYS = ("top", "masked", "committed", "coupled", "block_id", "step", "prompt_id")
+SHARD_ARRAYS = ("top", "masked", "committed", "coupled", "block_id", "step", "prompt_id", "tau")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class TrajectoryLog:
     """Step rows of the blocks decoded so far (one row per rule step)."""
 
     depth: int
+    tau: float = 0.9  # the threshold of the logged rule (unused by one-commit rules)
     top: list[np.ndarray] = field(default_factory=list)  # float16 [L, 32]
     masked: list[np.ndarray] = field(default_factory=list)  # bool [L]: masked in s_i
     committed: list[np.ndarray] = field(default_factory=list)  # bool [L]: committed by step i
@@ -65,6 +66,7 @@ class TrajectoryLog:
             "block_id": np.asarray(self.block_id, dtype=np.int64),
             "step": np.asarray(self.step, dtype=np.int16),
             "prompt_id": np.asarray(self.prompt_id, dtype=np.int64),
+            "tau": np.full(len(self.step), self.tau, dtype=np.float32),
         }
 
 
@@ -78,7 +80,7 @@ class CollectConfig:
     gen_length: int = 256
     depth: int = 8
     method: str = "standard"  # the rule whose trajectories are logged (standard, threshold, dynamic)
-    tau: float = 0.9
+    taus: tuple[float, ...] = (0.9,)  # threshold rules: one pass over the prompts per tau
     seed: int = 1
 
 
@@ -100,9 +102,11 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     (config.out_dir / "collect_config.json").write_text(json.dumps({**asdict(config), "out_dir": str(config.out_dir)}))
     prompts = collection_prompts(config.n_prompts, config.seed)
     shards = []
-    jobs = [(t, start) for t in config.temperatures for start in range(0, len(prompts), config.prompts_per_shard)]
-    for temperature, start in tqdm(jobs, desc="collect shards"):
-        path = config.out_dir / f"shard_T{temperature:g}_{start:05d}.npz"
+    taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
+    starts = range(0, len(prompts), config.prompts_per_shard)
+    jobs = [(t, tau, start) for t in config.temperatures for tau in taus for start in starts]
+    for temperature, tau, start in tqdm(jobs, desc="collect shards"):
+        path = config.out_dir / f"shard_T{temperature:g}_tau{tau:g}_{start:05d}.npz"
         shards.append(path)
         if path.exists():
             continue
@@ -112,10 +116,10 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
             gen_length=config.gen_length,
             temperature=temperature,
             seed=config.seed,
-            tau=config.tau,
+            tau=tau,
         )
         settings = gen_config.settings()
-        log = TrajectoryLog(depth=config.depth)
+        log = TrajectoryLog(depth=config.depth, tau=tau)
         block_offset = 0
         for prompt_id in range(start, min(start + config.prompts_per_shard, len(prompts))):
             key = NoiseKey(config.seed, prompt_id)

@@ -38,7 +38,9 @@ def build_examples(data: dict[str, np.ndarray], max_depth: int, rows: np.ndarray
     return Examples(row=np.concatenate(picks_row), depth=np.concatenate(picks_depth))
 
 
-def batch_tensors(data: dict[str, np.ndarray], cum_committed: np.ndarray, ex: Examples, index: np.ndarray):
+def batch_tensors(
+    data: dict[str, np.ndarray], cum_committed: np.ndarray, ex: Examples, index: np.ndarray, with_tau: bool = False
+):
     """Features float32 [B, L, F], allowed bool [B, L], target int64 [B] for the chosen examples."""
     i, d = ex.row[index], ex.depth[index]
     branch = (cum_committed[i + d] - cum_committed[i]) > 0  # committed by steps i .. i+d-1
@@ -49,6 +51,7 @@ def batch_tensors(data: dict[str, np.ndarray], cum_committed: np.ndarray, ex: Ex
         torch.from_numpy(masked),
         torch.from_numpy(branch),
         torch.from_numpy(coupled.astype(np.float32)),
+        torch.from_numpy(data["tau"][i]) if with_tau else None,
     )
     allowed = torch.from_numpy(masked & ~branch)
     target = torch.from_numpy(data["committed"][i + d])  # bool [B, L]: the set committed by step i + d
@@ -84,7 +87,7 @@ def accuracy_by_depth(
     correct, total = np.zeros(max_depth + 1), np.zeros(max_depth + 1)
     for start in range(0, len(ex.row), batch_size):
         index = np.arange(start, min(start + batch_size, len(ex.row)))
-        features, allowed, target = batch_tensors(data, cum, ex, index)
+        features, allowed, target = batch_tensors(data, cum, ex, index, model.config.threshold_feature)
         if sets:
             hit = (predicted_set(model, features, allowed) == target).all(-1).numpy()
         else:
@@ -128,7 +131,7 @@ def train_drafter(
     cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
     train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout), sets)
     held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout), sets)
-    model = OrderModel(OrderModelConfig())
+    model = OrderModel(OrderModelConfig(threshold_feature=sets))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
     start, step, loss_ema = time.time(), 0, None
@@ -136,7 +139,7 @@ def train_drafter(
     with tqdm(total=int(budget), unit="s", desc="train drafter") as bar:
         while time.time() - start < budget:
             index = rng.integers(0, len(train_ex.row), size=batch_size)
-            features, allowed, target = batch_tensors(data, cum, train_ex, index)
+            features, allowed, target = batch_tensors(data, cum, train_ex, index, sets)
             progress = (time.time() - start) / budget
             for group in optimizer.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
