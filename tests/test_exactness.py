@@ -170,6 +170,11 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
     if name == "spot-trained":
         assert trained is not None
         return SpotDrafter(trained, budget=case.budget, depth=case.depth)
+    if name == "spot-alt2-r2":  # runner-up tokens and an order model refreshed every second level
+        model = trained if trained is not None else random_order_model(case.seed % 2)
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, alternatives=2, refresh_every=2)
+    if name == "stale-alt3":
+        return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":
         return StaleSetsDrafter(budget=case.budget, depth=case.depth)
     if name == "spot-sets":
@@ -297,6 +302,17 @@ def test_speculative_equals_standard(temperature, drafter_name, scoring, trained
         salts = (seed, seed + 100) if drafter_name == "random" else (0,)
         for salt in salts:
             assert_exact(case, rule, scoring, make_drafter(drafter_name, case, rule, scoring, trained, salt))
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("drafter_name", ("spot-alt2-r2", "stale-alt3"))
+@pytest.mark.parametrize("temperature", (0.0, 1.0))
+def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, trained):
+    """Token alternatives and level-skipping order models change only what is drafted, never the output."""
+    rule = CommitRule("one", temperature=temperature)
+    for seed in range(20, 23):
+        case = make_case(seed, kind="deep") if seed % 2 else make_case(seed)
+        assert_exact(case, rule, scoring, make_drafter(drafter_name, case, rule, scoring, trained))
 
 
 @pytest.mark.parametrize("drafter_name", SET_DRAFTERS)

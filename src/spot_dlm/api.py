@@ -26,7 +26,11 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
     return SpotDrafter(
-        load_order_model(folder), budget=config.budget, depth=config.depth, alternatives=config.alternatives
+        load_order_model(folder),
+        budget=config.budget,
+        depth=config.depth,
+        alternatives=config.alternatives,
+        refresh_every=config.drafter_refresh,
     )
 
 
@@ -109,6 +113,7 @@ class GenerateConfig:
     budget: int = 16  # speculative methods: draft-tree nodes scored per pass (root included)
     depth: int = 8  # speculative methods: maximum draft depth
     alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
+    drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 
@@ -127,6 +132,8 @@ class GenerateConfig:
             raise ValueError(f"budget (draft nodes per pass) must be >= 1, got {self.budget}")
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
+        if self.drafter_refresh < 1:
+            raise ValueError(f"drafter_refresh must be >= 1, got {self.drafter_refresh}")
         if self.alternatives < 1:
             raise ValueError(f"alternatives must be >= 1, got {self.alternatives}")
         if self.seed < 0:

@@ -144,17 +144,22 @@ def _drafter_for(method: str, config: GenerateConfig, target, references: list[G
     return make_drafter(config, target)
 
 
-def split_alternatives(method: str) -> tuple[str, int]:
-    """``spot-alt2`` -> ("spot", 2): a speculative method that also tries runner-up tokens."""
-    base, _, alt = method.partition("-alt")
-    return (base, int(alt)) if alt.isdigit() else (method, 1)
+def method_options(method: str) -> tuple[str, dict]:
+    """Variant suffixes: ``spot-alt2`` tries runner-up tokens (alternatives=2); ``spot-r2`` runs the order model
+    every second tree level (drafter_refresh=2); they combine: ``spot-alt2-r2``."""
+    base, options = method, {}
+    for suffix, key in (("-r", "drafter_refresh"), ("-alt", "alternatives")):
+        head, sep, value = base.rpartition(suffix)
+        if sep and value.isdigit():
+            base, options[key] = head, int(value)
+    return base, options
 
 
 def run_setting(target, codec, items, method, budget, temperature, tau, bench: BenchConfig, reference):
-    method, alternatives = split_alternatives(method)
+    method, options = method_options(method)
     gen_method = {"sets-oracle": "threshold", "oracle": "standard"}.get(method, method)
     config = GenerateConfig(
-        alternatives=alternatives,
+        **options,
         method=gen_method,
         block_length=bench.block_length,
         gen_length=bench.gen_length,
