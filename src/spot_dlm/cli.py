@@ -141,6 +141,25 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_merge(args: argparse.Namespace) -> int:
+    from spot_dlm.bench.plots import plot_report
+    from spot_dlm.bench.run import format_table, merge_reports, write_report
+
+    reports = []
+    for name in args.reports:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"bench report not found: {path}")
+        reports.append(json.loads(path.read_text()))
+    report = merge_reports(reports)
+    print(format_table(report))
+    write_report(report, Path(args.json) if args.json else None)
+    if args.plots:
+        for path in plot_report(report, Path(args.plots)):
+            print(f"plot: {path}")
+    return 0
+
+
 def _collect(args: argparse.Namespace) -> int:
     from spot_dlm.train.collect import CollectConfig, collect
 
@@ -278,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, help="write the full report here")
     bench.add_argument("--plots", default=None, help="write PNG plots into this folder")
     bench.set_defaults(func=_bench)
+
+    merge = sub.add_parser("bench-merge", help="merge bench JSON reports (e.g. one per process) into one")
+    merge.add_argument("reports", nargs="+")
+    merge.add_argument("--json", default=None)
+    merge.add_argument("--plots", default=None)
+    merge.set_defaults(func=_bench_merge)
 
     col = sub.add_parser("collect", help="log standard-decoding trajectories on training prompts")
     col.add_argument("--model", default=None)

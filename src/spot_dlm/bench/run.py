@@ -339,3 +339,16 @@ def reproduce_command(bench: BenchConfig) -> str:
     if bench.drafter is not None:
         parts.append(f"--drafter {shlex.quote(str(bench.drafter))}")
     return " ".join(parts) + f"  (at {time.strftime('%Y-%m-%d')})"
+
+
+def merge_reports(reports: list[dict]) -> dict:
+    """One report from runs split across processes (e.g. one per temperature); keeps every run's config."""
+    if not reports:
+        raise ValueError("nothing to merge")
+    return {
+        "config": [r["config"] for r in reports],
+        "machine": reports[0]["machine"],
+        "torch_threads": [r["torch_threads"] for r in reports],
+        "reproduce": [r.get("reproduce") for r in reports],
+        "results": [row for r in reports for row in r["results"]],
+    }
