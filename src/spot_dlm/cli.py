@@ -86,6 +86,19 @@ def _prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init_folder(name: str | None) -> Path | None:
+    if name is None:
+        return None
+    if name == "builtin":
+        from spot_dlm.models.builtin import builtin_dir
+
+        return builtin_dir()
+    path = Path(name)
+    if not (path / "model.safetensors").is_file():
+        raise ValueError(f"--init: no checkpoint in {path}")
+    return path
+
+
 def _train_target(args: argparse.Namespace) -> int:
     from spot_dlm.train.target import TrainConfig, train_target
 
@@ -98,6 +111,7 @@ def _train_target(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         threads=args.threads,
         snapshot_minutes=args.snapshot_minutes,
+        init_from=_init_folder(args.init),
     )
     print(train_target(config))
     return 0
@@ -277,6 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--threads", type=int, default=2)
     train.add_argument("--snapshot-minutes", type=float, default=10.0)
+    train.add_argument(
+        "--init", default=None, help="'builtin' or a checkpoint folder to resume from if --out is empty"
+    )
     train.set_defaults(func=_train_target)
     bench = sub.add_parser("bench", help="compare methods side by side (same prompts, same noise, one process)")
     bench.add_argument("--model", default=None)

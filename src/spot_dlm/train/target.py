@@ -45,6 +45,7 @@ class TrainConfig:
     d_model: int = 256
     n_layers: int = 6
     n_heads: int = 4
+    init_from: Path | None = None  # a checkpoint folder to start from when out_dir holds none (e.g. the shipped one)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -98,9 +99,10 @@ def heldout_loss(model: BlockDiffusionLM, batches: list[torch.Tensor], phase: st
 
 def initial_model(config: TrainConfig, vocab_size: int) -> tuple[BlockDiffusionLM, dict]:
     """Resume from out_dir when it holds a checkpoint; else a fresh model."""
-    if (config.out_dir / "model.safetensors").is_file():
-        model = load_model(config.out_dir, dtype=torch.float32)
-        return model.train(), load_training_state(config.out_dir)
+    for folder in (config.out_dir, config.init_from):
+        if folder is not None and (Path(folder) / "model.safetensors").is_file():
+            model = load_model(Path(folder), dtype=torch.float32)
+            return model.train(), load_training_state(Path(folder))
     model_config = ModelConfig(
         vocab_size=vocab_size, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads
     )
