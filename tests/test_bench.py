@@ -343,3 +343,25 @@ def test_cli_bench_missing_drafter_exit_code_2(checkpoint_dir: Path, tmp_path: P
     argv += ["--budgets", "2", "--temperatures", "0", "--n-prompts", "2", "--block-length", "8", "--gen-length", "8"]
     assert main(argv) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_method_options_parse_variant_suffixes() -> None:
+    from spot_dlm.bench.run import method_options
+
+    assert method_options("spot") == ("spot", {})
+    assert method_options("spot-alt2") == ("spot", {"alternatives": 2})
+    assert method_options("spot-alt2-r3") == ("spot", {"alternatives": 2, "drafter_refresh": 3})
+    assert method_options("spot-sets") == ("spot-sets", {})
+    assert method_options("stale-sets") == ("stale-sets", {})
+
+
+def test_merge_reports_keeps_every_row_and_config() -> None:
+    from spot_dlm.bench.run import merge_reports
+
+    a = {"config": {"t": 0}, "machine": "m", "torch_threads": 1, "reproduce": "x", "results": [{"r": 1}]}
+    b = {"config": {"t": 1}, "machine": "m", "torch_threads": 1, "reproduce": "y", "results": [{"r": 2}, {"r": 3}]}
+    merged = merge_reports([a, b])
+    assert merged["results"] == [{"r": 1}, {"r": 2}, {"r": 3}]
+    assert merged["config"] == [{"t": 0}, {"t": 1}]
+    with pytest.raises(ValueError):
+        merge_reports([])
