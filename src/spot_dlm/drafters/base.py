@@ -159,7 +159,10 @@ def grow_tree(
                 child[where] = tokens[where]
                 candidates.append(_Candidate(child, parent.step + 1, parent.logprob + value, index, parent.depth + 1))
                 next_level.append(len(candidates) - 1)
-        level = sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep]
+        bar = _admission_bar(candidates, keep)
+        level = [
+            i for i in sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep] if candidates[i].logprob >= bar
+        ]
     order = sorted(range(1, len(candidates)), key=lambda i: (-candidates[i].logprob, candidates[i].depth))
     builder = TreeBuilder(root=context.root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
     node_of = {0: 0}
@@ -174,6 +177,21 @@ def grow_tree(
         if node is not None:
             node_of[index] = node
     return builder.build()
+
+
+def _admission_bar(candidates: list[_Candidate], keep: int) -> float:
+    """Path log-probability of the keep-th best distinct state so far (-inf while fewer exist).
+
+    A child never scores above its parent, so a node below the bar cannot add anything to the kept set: growth
+    stops there (this prunes drafter calls, never the tree).
+    """
+    best: dict[bytes, float] = {}
+    for cand in candidates[1:]:
+        key = cand.state.cpu().numpy().tobytes()
+        best[key] = max(best.get(key, float("-inf")), cand.logprob)
+    if len(best) < keep:
+        return float("-inf")
+    return sorted(best.values(), reverse=True)[keep - 1]
 
 
 def masked_log_normalise(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
