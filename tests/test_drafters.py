@@ -152,6 +152,36 @@ def test_grow_tree_is_best_first(temperature: float, seed: int, budget: int, dep
     assert max(frontier) <= min(kept[1:]) + 1e-9
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("budget", "depth"), [(3, 6), (4, 8), (8, 8), (16, 5)])
+def test_admission_bar_prunes_calls_not_the_tree(monkeypatch, temperature, seed, budget, depth) -> None:
+    """Growth that stops below the admission bar yields the tree of unpruned growth, with no more scorer rows."""
+    import spot_dlm.drafters.base as base
+
+    context = make_context(temperature, seed=seed)
+    pruned_scorer, full_scorer = state_scorer(seed), state_scorer(seed)
+    pruned = grow_tree(context, budget, depth, pruned_scorer)
+    monkeypatch.setattr(base, "_admission_bar", lambda candidates, keep: float("-inf"))
+    full = grow_tree(context, budget, depth, full_scorer)
+    assert torch.equal(pruned.states, full.states)
+    assert pruned.parents == full.parents
+    assert sum(map(len, pruned_scorer.calls)) <= sum(map(len, full_scorer.calls))
+
+
+def test_admission_bar_stops_a_confident_chain_early() -> None:
+    """A scorer sure of the order makes a chain: after it, no level has a node that could still enter."""
+    calls: list[int] = []
+
+    def counting(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        calls.append(states.shape[0])
+        return order_scorer(states, steps)
+
+    tree = grow_tree(make_context(), 4, 6, counting)
+    assert tree.depths() == [0, 1, 2, 3]
+    assert sum(calls) <= 8  # the unpruned growth asks about 1 + 3 * 5 = 16 rows
+
+
 def test_grow_tree_prefers_the_scored_order() -> None:
     context = make_context(0.0)
     tree = grow_tree(context, budget=5, max_depth=8, position_logprobs=order_scorer)
