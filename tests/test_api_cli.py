@@ -114,6 +114,9 @@ def test_generate_basic(loaded: tuple[BuiltinTarget, TextCodec]) -> None:
     assert out.text == codec.decode(out.token_ids)
     assert out.target_passes == out.stats["target_passes"] == 1 + 8
     assert sorted(out.commit_step[:4]) == [0, 1, 2, 3]
+    assert out.stats["commits_per_pass"] == pytest.approx(8 / 9)
+    assert 0.0 <= out.stats["draft_time_share"] < 1.0
+    assert sum(out.stats["accepted_lengths"].values()) == 8 - 2  # one verify pass per commit after each free one
 
 
 def test_generate_request_index_keys_the_noise(loaded: tuple[BuiltinTarget, TextCodec]) -> None:

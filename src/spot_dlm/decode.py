@@ -107,6 +107,8 @@ class DecodeStats:
             "rule_steps": self.rule_steps,
             "committed_tokens": self.committed_tokens,
             "mean_accepted": self.mean_accepted,
+            "commits_per_pass": self.committed_tokens / self.target_passes if self.target_passes else 0.0,
+            "draft_time_share": self.draft_seconds / self.wall_seconds if self.wall_seconds else 0.0,
             "accepted_lengths": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
         }
 
