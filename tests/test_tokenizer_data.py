@@ -198,3 +198,19 @@ def test_prepare_corpus_small(gsm8k_train: list[dict], tmp_path, monkeypatch) ->
     assert (out / "train_tokens.npy").stat().st_mtime_ns == mtime
     with pytest.raises(ValueError, match="built with"):
         data.prepare_corpus(out, n_symbolic=60, vocab_size=300)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("She has 3 + 4 = 7 apples.\n#### 7", False),
+        ("The total is 1000000000000000000000000000000 = 20", True),
+        ("a\na\na\na\na\na", True),
+        ("yes yes no yes no yes no yes no yes no yes", True),
+        ("2 * 100000 = 200000\n#### 200000", False),
+    ],
+)
+def test_is_degenerate(text: str, expected: bool) -> None:
+    from spot_dlm.train.evaluate import is_degenerate
+
+    assert is_degenerate(text) is expected

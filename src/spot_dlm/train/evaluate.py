@@ -81,7 +81,7 @@ def decode_report(target, codec, items: list[dict], block_length: int, gen_lengt
         texts.append(text)
         correct.append(bool(is_correct(text, item.get("answer"))))
         well_formed.append(ended and bool(WELL_FORMED.search(text.strip())))
-        degenerate.append(_is_degenerate(text))
+        degenerate.append(is_degenerate(text))
     return {
         "n": len(items),
         "block_length": block_length,
@@ -93,8 +93,13 @@ def decode_report(target, codec, items: list[dict], block_length: int, gen_lengt
     }
 
 
-def _is_degenerate(text: str) -> bool:
-    """A generation that repeats one short line or one token run over and over."""
+LONG_CHARACTER_RUN = re.compile(r"(.)\1{19,}")  # one character 20 times or more in a row ("0000...")
+
+
+def is_degenerate(text: str) -> bool:
+    """A generation that repeats one short line, a few words, or one character over and over."""
+    if LONG_CHARACTER_RUN.search(text):
+        return True
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if len(lines) >= 4 and len(set(lines)) <= len(lines) // 3:
         return True
