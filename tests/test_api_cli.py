@@ -58,6 +58,8 @@ class EosAtTarget:
         ({"gen_length": 0, "block_length": 4}, "gen length"),
         ({"budget": 0}, "budget"),
         ({"depth": 0}, "depth"),
+        ({"confidence_prior": -1.0}, "confidence_prior"),
+        ({"confidence_prior": float("nan")}, "confidence_prior"),
         ({"seed": -1}, "seed"),
         ({"confidence": "vibes"}, "confidence"),
         ({"method": "threshold", "tau": 1.5}, "tau"),

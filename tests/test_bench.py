@@ -351,6 +351,10 @@ def test_method_options_parse_variant_suffixes() -> None:
     assert method_options("spot") == ("spot", {})
     assert method_options("spot-alt2") == ("spot", {"alternatives": 2})
     assert method_options("spot-alt2-r3") == ("spot", {"alternatives": 2, "drafter_refresh": 3})
+    assert method_options("spot-p3-alt2-r2") == (
+        "spot",
+        {"confidence_prior": 3, "alternatives": 2, "drafter_refresh": 2},
+    )
     assert method_options("spot-sets") == ("spot-sets", {})
     assert method_options("stale-sets") == ("stale-sets", {})
 

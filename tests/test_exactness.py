@@ -173,6 +173,9 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
     if name == "spot-alt2-r2":  # runner-up tokens and an order model refreshed every second level
         model = trained if trained is not None else random_order_model(case.seed % 2)
         return SpotDrafter(model, budget=case.budget, depth=case.depth, alternatives=2, refresh_every=2)
+    if name == "spot-prior3":  # the stale-confidence prior added to the order logits
+        model = trained if trained is not None else random_order_model(case.seed % 2)
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, confidence_prior=3.0)
     if name == "stale-alt3":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":
@@ -305,7 +308,7 @@ def test_speculative_equals_standard(temperature, drafter_name, scoring, trained
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)
-@pytest.mark.parametrize("drafter_name", ("spot-alt2-r2", "stale-alt3"))
+@pytest.mark.parametrize("drafter_name", ("spot-alt2-r2", "spot-prior3", "stale-alt3"))
 @pytest.mark.parametrize("temperature", (0.0, 1.0))
 def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, trained):
     """Token alternatives and level-skipping order models change only what is drafted, never the output."""

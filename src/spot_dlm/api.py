@@ -31,6 +31,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
         depth=config.depth,
         alternatives=config.alternatives,
         refresh_every=config.drafter_refresh,
+        confidence_prior=config.confidence_prior,
     )
 
 
@@ -114,6 +115,7 @@ class GenerateConfig:
     depth: int = 8  # speculative methods: maximum draft depth
     alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
     drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
+    confidence_prior: float = 0.0  # spot: weight of log(stale coupled confidence) added to the order logits
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 
@@ -134,6 +136,8 @@ class GenerateConfig:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
         if self.drafter_refresh < 1:
             raise ValueError(f"drafter_refresh must be >= 1, got {self.drafter_refresh}")
+        if not self.confidence_prior >= 0:  # also rejects NaN
+            raise ValueError(f"confidence_prior must be >= 0, got {self.confidence_prior}")
         if self.alternatives < 1:
             raise ValueError(f"alternatives must be >= 1, got {self.alternatives}")
         if self.seed < 0:

@@ -40,6 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
         budget=args.budget,
         depth=args.depth,
         alternatives=args.alternatives,
+        confidence_prior=args.confidence_prior,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
@@ -271,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--budget", type=int, default=16, help="draft nodes scored per pass (speculative methods)")
     gen.add_argument("--depth", type=int, default=8, help="maximum draft depth (speculative methods)")
     gen.add_argument("--alternatives", type=int, default=1, help="tokens tried per drafted position (spot, stale)")
+    gen.add_argument(
+        "--confidence-prior",
+        type=float,
+        default=0.0,
+        help="spot: weight of log(stale coupled confidence) added to the order model's logits (3 helps at T > 0)",
+    )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")

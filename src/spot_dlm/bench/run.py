@@ -146,9 +146,10 @@ def _drafter_for(method: str, config: GenerateConfig, target, references: list[G
 
 def method_options(method: str) -> tuple[str, dict]:
     """Variant suffixes: ``spot-alt2`` tries runner-up tokens (alternatives=2); ``spot-r2`` runs the order model
-    every second tree level (drafter_refresh=2); they combine: ``spot-alt2-r2``."""
+    every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
+    (confidence_prior=3). They combine in the order -pN, -altN, -rN: ``spot-p3-alt2-r2``."""
     base, options = method, {}
-    for suffix, key in (("-r", "drafter_refresh"), ("-alt", "alternatives")):
+    for suffix, key in (("-r", "drafter_refresh"), ("-alt", "alternatives"), ("-p", "confidence_prior")):
         head, sep, value = base.rpartition(suffix)
         if sep and value.isdigit():
             base, options[key] = head, int(value)

@@ -150,6 +150,10 @@ class SpotDrafter:
     ``refresh_every`` = r runs the order model on tree levels 0, r, 2r, ...; a node on another level reuses its
     parent's position logits with the committed position removed (a Plackett-Luce step), cutting drafter
     forwards by a factor r at some cost in conditioning. 1 conditions every level on the branch.
+
+    ``confidence_prior`` = w adds ``w * log(stale confidence of the coupled token)`` to the order logits: the
+    stale estimate of the very score the one-commit rule ranks positions by. It matters most at T > 0, where
+    that score belongs to a noise-coupled sample the order model (which has no temperature input) reads poorly.
     """
 
     model: OrderModel
@@ -157,6 +161,7 @@ class SpotDrafter:
     depth: int = 8
     alternatives: int = 1  # tokens tried per position (1: the stale coupled guess only)
     refresh_every: int = 1
+    confidence_prior: float = 0.0
     name: str = "spot"
 
     @torch.no_grad()
@@ -199,6 +204,10 @@ class SpotDrafter:
                 for i, logits in zip(missing, fresh):
                     rows[i] = logits
                     memo[states[i].cpu().numpy().tobytes()] = logits
-            return masked_log_normalise(torch.stack(rows), states == context.mask_id)
+            logits = torch.stack(rows).to(torch.float64)  # [B, L]
+            if self.confidence_prior:
+                coupled = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(1e-12)  # [B, L]
+                logits = logits + self.confidence_prior * coupled.log()
+            return masked_log_normalise(logits, states == context.mask_id)
 
         return grow_tree(context, self.budget, self.depth, scorer, guesses, alternatives=self.alternatives)
