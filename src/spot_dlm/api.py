@@ -115,7 +115,7 @@ class GenerateConfig:
     depth: int = 8  # speculative methods: maximum draft depth
     alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
     drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
-    confidence_prior: float = 0.0  # spot: weight of log(stale coupled confidence) added to the order logits
+    confidence_prior: float = 3.0  # spot: weight of log(stale coupled confidence) added to the order logits
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 

@@ -275,8 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--confidence-prior",
         type=float,
-        default=0.0,
-        help="spot: weight of log(stale coupled confidence) added to the order model's logits (3 helps at T > 0)",
+        default=3.0,
+        help="spot: weight of log(stale coupled confidence) added to the order model's logits (0: order model only)",
     )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
