@@ -320,6 +320,8 @@ def hand_trajectory() -> dict[str, np.ndarray]:
             rows["block_id"].append(block)
             rows["step"].append(step_index)
             rows["prompt_id"].append(0)
+            rows["tau"].append(0.9)
+            rows["temperature"].append(0.0)
             masked &= ~committed
     return {name: np.asarray(value) for name, value in rows.items()}
 

@@ -432,8 +432,8 @@ def test_negative_control_wrong_step_noise(monkeypatch):
 
     original = decode_module.step_noise
 
-    def shifted(key, block_index, steps, *args, **kwargs):
-        return original(key, block_index, steps[:1] + tuple(s + 1 for s in steps[1:]), *args, **kwargs)
+    def shifted(block_noise, steps, rule):
+        return original(block_noise, steps[:1] + tuple(s + 1 for s in steps[1:]), rule)
 
     monkeypatch.setattr(decode_module, "step_noise", shifted)
     differ = {0.0: 0, 1.0: 0}

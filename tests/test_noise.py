@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from spot_dlm.noise import NoiseKey, fold_key, gumbel, uniform
+from spot_dlm.noise import BlockNoise, NoiseKey, fold_key, gumbel, uniform
 
 MASK64 = (1 << 64) - 1
 
@@ -89,14 +89,19 @@ def test_lazy_draw_equals_rows_of_full_draw() -> None:
     assert torch.equal(key.gumbel(2, 3, subset, 7), full[subset, :7])
 
 
-def test_block_gumbel_stacks_pass_draws() -> None:
+def test_block_noise_memo_equals_fresh_draws_and_forgets_passed_steps() -> None:
     key = NoiseKey(seed=2, request=1)
-    passes = torch.tensor([0, 3, 3, 1])
-    table = key.block_gumbel(4, passes, block_length=5, vocab_size=9, device=torch.device("cpu"))
+    memo = BlockNoise(key, block=4, block_length=5, vocab_size=9, device=torch.device("cpu"))
+    passes = (0, 3, 3, 1)
+    table = memo.tables(passes)
     assert table.shape == (4, 5, 9)
-    for row, pass_index in enumerate(passes.tolist()):
+    for row, pass_index in enumerate(passes):
         assert torch.equal(table[row], key.gumbel(4, pass_index, torch.arange(5), 9))
     assert not torch.equal(table[0], table[1])
+    assert memo.table(3) is memo.table(3)  # drawn once
+    memo.forget_before(2)
+    assert sorted(memo._tables) == [3]
+    assert torch.equal(memo.table(0), key.gumbel(4, 0, torch.arange(5), 9))  # redrawn identically on demand
 
 
 def test_uniforms_in_open_unit_interval_and_uniform() -> None:

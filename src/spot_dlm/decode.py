@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from spot_dlm.models.base import Target
-from spot_dlm.noise import NoiseKey
+from spot_dlm.noise import BlockNoise, NoiseKey
 from spot_dlm.rules import CommitRule, step
 from spot_dlm.tree import DraftTree, root_only
 
@@ -42,6 +42,14 @@ class DraftContext:
     noise: NoiseKey
     rule: CommitRule
     mask_id: int
+    block_noise: BlockNoise | None = None  # the loop's memo of this block's noise tables (None: draw afresh)
+
+    def gumbel(self, step_index: int) -> torch.Tensor:
+        """Keyed noise of rule step ``step_index`` for the whole block, float64 [L, V] (shared: do not modify)."""
+        if self.block_noise is not None:
+            return self.block_noise.table(step_index)
+        positions = torch.arange(self.root.shape[0], device=self.root.device)
+        return self.noise.gumbel(self.block_index, step_index, positions, self.stale_logits.shape[-1])
 
 
 class Drafter(Protocol):
@@ -143,22 +151,9 @@ class _BlockTrace:
         return int(filled.sum())
 
 
-def step_noise(
-    key: NoiseKey,
-    block_index: int,
-    steps: tuple[int, ...],
-    block_length: int,
-    vocab_size: int,
-    rule: CommitRule,
-    device: torch.device,
-) -> torch.Tensor | None:
+def step_noise(block_noise: BlockNoise, steps: tuple[int, ...], rule: CommitRule) -> torch.Tensor | None:
     """Keyed Gumbel noise for nodes at the given rule-step indices: float64 [N, L, V], or None at T = 0."""
-    if not rule.needs_noise:
-        return None
-    unique = sorted(set(steps))
-    table = key.block_gumbel(block_index, torch.tensor(unique), block_length, vocab_size, device)  # [U, L, V]
-    rows = torch.tensor([unique.index(s) for s in steps], device=device)
-    return table[rows]
+    return block_noise.tables(steps) if rule.needs_noise else None
 
 
 def _apply_rule(
@@ -166,13 +161,12 @@ def _apply_rule(
     logits: torch.Tensor,
     steps: tuple[int, ...],
     settings: DecodeSettings,
-    key: NoiseKey,
-    block_index: int,
-    target: Target,
+    block_noise: BlockNoise,
+    mask_id: int,
 ) -> torch.Tensor:
     """The rule's true next state for every node. states [N, L], logits [N, L, V] -> [N, L]"""
-    noise = step_noise(key, block_index, steps, settings.block_length, logits.shape[-1], settings.rule, logits.device)
-    return step(states, logits, noise, settings.rule, target.mask_id).tokens
+    noise = step_noise(block_noise, steps, settings.rule)
+    return step(states, logits, noise, settings.rule, mask_id).tokens
 
 
 def _accept(tree: DraftTree, next_states: torch.Tensor) -> list[int]:
@@ -204,7 +198,8 @@ def decode_block(
     )
     scored = target.score(cache, state[None], finished)
     cache, logits, step_index = scored.cache, scored.logits[0], 0
-    next_state = _apply_rule(state[None], logits[None], (0,), settings, key, block_index, target)[0]
+    block_noise = BlockNoise(key, block_index, length, logits.shape[-1], logits.device)
+    next_state = _apply_rule(state[None], logits[None], (0,), settings, block_noise, mask_id)[0]
 
     def passes() -> int:
         return target.counter.passes - first_pass
@@ -217,13 +212,14 @@ def decode_block(
         parent, state, step_index = state, next_state, step_index + 1
         if not bool((state == mask_id).any()):
             return state, cache, trace
+        block_noise.forget_before(step_index)
         tick = time.perf_counter()
         tree = drafter.propose(
-            DraftContext(state, parent, logits, step_index, block_index, key, settings.rule, mask_id)
+            DraftContext(state, parent, logits, step_index, block_index, key, settings.rule, mask_id, block_noise)
         )
         stats.draft_seconds += time.perf_counter() - tick
         node_logits = target.score(cache, tree.states).logits  # [N, L, V]
-        next_states = _apply_rule(tree.states, node_logits, tree.steps, settings, key, block_index, target)
+        next_states = _apply_rule(tree.states, node_logits, tree.steps, settings, block_noise, mask_id)
         path = _accept(tree, next_states)
         stats.accepted_lengths[len(path)] += 1
         for a, b in zip(path, path[1:]):

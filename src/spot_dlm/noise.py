@@ -10,7 +10,7 @@ Uniforms carry 53 random bits and are mapped to Gumbel(0, 1) in float64.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,10 +50,10 @@ def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
 def fold_key(*fields: int) -> int:
     """Fold integer key fields into one 64-bit key (order matters; negative fields are rejected)."""
     key = 0
-    for field in fields:
-        if field < 0:
+    for value in fields:
+        if value < 0:
             raise ValueError(f"noise key fields must be >= 0, got {fields}")
-        key = _mix_int(key ^ _mix_int(field))
+        key = _mix_int(key ^ _mix_int(value))
     return key
 
 
@@ -89,10 +89,34 @@ class NoiseKey:
         """Gumbel noise float64 [P, V] for the given block positions (int64 [P]) of one pass."""
         return gumbel(self.pass_key(block, pass_index), positions, vocab_size)
 
-    def block_gumbel(
-        self, block: int, pass_indices: torch.Tensor, block_length: int, vocab_size: int, device: torch.device
-    ) -> torch.Tensor:
-        """Noise for whole blocks at several pass indices: pass_indices int64 [K] -> float64 [K, L, V]."""
-        positions = torch.arange(block_length, device=device)
-        rows = [self.gumbel(block, int(i), positions, vocab_size) for i in pass_indices.tolist()]
-        return torch.stack(rows)
+
+@dataclass
+class BlockNoise:
+    """The whole-block Gumbel tables of one block, each drawn once and shared by drafter and verifier.
+
+    A pure memo over ``NoiseKey.gumbel``: ``table(i)`` equals ``key.gumbel(block, i, arange(L), V)`` bit for bit.
+    Tables are shared, so callers must not modify them in place. ``forget_before(i)`` drops the tables of rule
+    steps a block has passed, so at most about a tree's depth of tables is held.
+    """
+
+    key: NoiseKey
+    block: int
+    block_length: int
+    vocab_size: int
+    device: torch.device
+    _tables: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def table(self, pass_index: int) -> torch.Tensor:
+        """float64 [L, V] noise of one rule step of this block."""
+        if pass_index not in self._tables:
+            positions = torch.arange(self.block_length, device=self.device)
+            self._tables[pass_index] = self.key.gumbel(self.block, pass_index, positions, self.vocab_size)
+        return self._tables[pass_index]
+
+    def tables(self, pass_indices: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """float64 [K, L, V] noise for K nodes at the given rule-step indices."""
+        return torch.stack([self.table(i) for i in pass_indices])
+
+    def forget_before(self, pass_index: int) -> None:
+        for old in [i for i in self._tables if i < pass_index]:
+            del self._tables[old]

@@ -33,12 +33,9 @@ class StaleGuesses:
         ctx = self.context
         step_index = step_index if ctx.rule.needs_noise else 0  # without noise every step guesses alike
         if step_index not in self._cache:
-            length, vocab = ctx.stale_logits.shape
+            length = ctx.stale_logits.shape[0]
             all_masked = torch.full((1, length), ctx.mask_id, dtype=torch.int64, device=ctx.root.device)
-            noise = None
-            if ctx.rule.needs_noise:
-                positions = torch.arange(length, device=ctx.root.device)
-                noise = ctx.noise.gumbel(ctx.block_index, step_index, positions, vocab)[None]
+            noise = ctx.gumbel(step_index)[None] if ctx.rule.needs_noise else None
             full = propose(all_masked, ctx.stale_logits[None], noise, ctx.rule, ctx.mask_id)  # [1, L]
             self._cache[step_index] = Proposal(tokens=full.tokens[0], confidence=full.confidence[0])
         return self._cache[step_index]
@@ -51,13 +48,11 @@ class StaleGuesses:
         ctx = self.context
         step_index = step_index if ctx.rule.needs_noise else 0
         if (step_index, n) not in self._ranked:
-            length, vocab = ctx.stale_logits.shape
             z = ctx.stale_logits.to(torch.float64, copy=True)
             z[:, ctx.mask_id] = float("-inf")
             score = z
             if ctx.rule.needs_noise:
-                positions = torch.arange(length, device=ctx.root.device)
-                score = z / ctx.rule.temperature + ctx.noise.gumbel(ctx.block_index, step_index, positions, vocab)
+                score = z / ctx.rule.temperature + ctx.gumbel(step_index)
             tokens = score.topk(n, dim=-1).indices  # [L, n]; ties resolved like argmax for rank 0 below
             tokens[:, 0] = self.at(step_index).tokens
             logprob = torch.log_softmax(z, dim=-1).gather(-1, tokens)  # [L, n]

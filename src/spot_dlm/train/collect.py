@@ -21,9 +21,9 @@ from spot_dlm.api import GenerateConfig, encode_prompt
 from spot_dlm.decode import DraftContext, NoDrafter, StepRecord, decode_ids
 from spot_dlm.drafters.base import StaleGuesses
 from spot_dlm.drafters.order_model import stale_top_probs
-from spot_dlm.noise import NoiseKey
+from spot_dlm.noise import BlockNoise, NoiseKey
 
-SHARD_ARRAYS = ("top", "masked", "committed", "coupled", "block_id", "step", "prompt_id", "tau")
+SHARD_ARRAYS = ("top", "masked", "committed", "coupled", "block_id", "step", "prompt_id", "tau", "temperature")
 
 
 @dataclass
@@ -32,6 +32,7 @@ class TrajectoryLog:
 
     depth: int
     tau: float = 0.9  # the threshold of the logged rule (unused by one-commit rules)
+    temperature: float = 0.0  # the sampling temperature of the logged run
     top: list[np.ndarray] = field(default_factory=list)  # float16 [L, 32]
     masked: list[np.ndarray] = field(default_factory=list)  # bool [L]: masked in s_i
     committed: list[np.ndarray] = field(default_factory=list)  # bool [L]: committed by step i
@@ -41,9 +42,25 @@ class TrajectoryLog:
     prompt_id: list[int] = field(default_factory=list)
 
     def observer(self, key: NoiseKey, settings, mask_id: int, prompt_id: int, block_offset: int):
+        memo: dict[int, BlockNoise] = {}  # block index -> its noise tables (one block at a time)
+
         def record(rec: StepRecord) -> None:
+            if rec.block_index not in memo:
+                memo.clear()
+                length, vocab = rec.logits.shape
+                memo[rec.block_index] = BlockNoise(key, rec.block_index, length, vocab, rec.logits.device)
+            block_noise = memo[rec.block_index]
+            block_noise.forget_before(rec.step_index)
             context = DraftContext(
-                rec.next_state, rec.state, rec.logits, rec.step_index + 1, rec.block_index, key, settings.rule, mask_id
+                rec.next_state,
+                rec.state,
+                rec.logits,
+                rec.step_index + 1,
+                rec.block_index,
+                key,
+                settings.rule,
+                mask_id,
+                block_noise,
             )
             guesses = StaleGuesses(context)
             coupled = [guesses.at(rec.step_index + d).confidence for d in range(1, self.depth + 1)]
@@ -67,6 +84,7 @@ class TrajectoryLog:
             "step": np.asarray(self.step, dtype=np.int16),
             "prompt_id": np.asarray(self.prompt_id, dtype=np.int64),
             "tau": np.full(len(self.step), self.tau, dtype=np.float32),
+            "temperature": np.full(len(self.step), self.temperature, dtype=np.float32),
         }
 
 
@@ -119,7 +137,7 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
             tau=tau,
         )
         settings = gen_config.settings()
-        log = TrajectoryLog(depth=config.depth, tau=tau)
+        log = TrajectoryLog(depth=config.depth, tau=tau, temperature=temperature)
         block_offset = 0
         for prompt_id in range(start, min(start + config.prompts_per_shard, len(prompts))):
             key = NoiseKey(config.seed, prompt_id)
