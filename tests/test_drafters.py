@@ -182,6 +182,16 @@ def test_admission_bar_stops_a_confident_chain_early() -> None:
     assert sum(calls) <= 8  # the unpruned growth asks about 1 + 3 * 5 = 16 rows
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_two_asks_the_scorer_once(temperature: float, seed: int) -> None:
+    """Root plus one child: once the best child is known nothing below it can enter, so one call per round."""
+    scorer = state_scorer(seed)
+    tree = grow_tree(make_context(temperature, seed=seed), 2, 8, scorer)
+    assert len(tree) == 2
+    assert [len(rows) for rows in scorer.calls] == [1]
+
+
 def test_grow_tree_prefers_the_scored_order() -> None:
     context = make_context(0.0)
     tree = grow_tree(context, budget=5, max_depth=8, position_logprobs=order_scorer)

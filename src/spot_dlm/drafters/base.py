@@ -156,7 +156,7 @@ def grow_tree(
                 next_level.append(len(candidates) - 1)
         bar = _admission_bar(candidates, keep)
         level = [
-            i for i in sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep] if candidates[i].logprob >= bar
+            i for i in sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep] if candidates[i].logprob > bar
         ]
     order = sorted(range(1, len(candidates)), key=lambda i: (-candidates[i].logprob, candidates[i].depth))
     builder = TreeBuilder(root=context.root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
@@ -177,8 +177,9 @@ def grow_tree(
 def _admission_bar(candidates: list[_Candidate], keep: int) -> float:
     """Path log-probability of the keep-th best distinct state so far (-inf while fewer exist).
 
-    A child never scores above its parent, so a node below the bar cannot add anything to the kept set: growth
-    stops there (this prunes drafter calls, never the tree).
+    A child never scores above its parent, so the children of a node at or below the bar cannot beat the kept set:
+    growth stops there. This prunes drafter calls, never the tree's scores (a child of a node exactly at the bar
+    could at most tie it, through a probability-1 commit). At budget 2 it saves the second call per round.
     """
     best: dict[bytes, float] = {}
     for cand in candidates[1:]:
