@@ -166,10 +166,12 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
     if name == "stale":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth)
     if name == "spot-init":
-        return SpotDrafter(random_order_model(case.seed % 2), budget=case.budget, depth=case.depth)
-    if name == "spot-trained":
+        return SpotDrafter(
+            random_order_model(case.seed % 2), budget=case.budget, depth=case.depth, confidence_prior=0.0
+        )
+    if name == "spot-trained":  # the order model alone, no confidence prior
         assert trained is not None
-        return SpotDrafter(trained, budget=case.budget, depth=case.depth)
+        return SpotDrafter(trained, budget=case.budget, depth=case.depth, confidence_prior=0.0)
     if name == "spot-alt2-r2":  # runner-up tokens and an order model refreshed every second level
         model = trained if trained is not None else random_order_model(case.seed % 2)
         return SpotDrafter(model, budget=case.budget, depth=case.depth, alternatives=2, refresh_every=2)

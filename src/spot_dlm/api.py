@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from spot_dlm.decode import DecodeSettings, DecodeStats, Drafter, NoDrafter, decode_ids
+from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
 from spot_dlm.models.base import Target
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
@@ -115,7 +116,7 @@ class GenerateConfig:
     depth: int = 8  # speculative methods: maximum draft depth
     alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
     drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
-    confidence_prior: float = 3.0  # spot: weight of log(stale coupled confidence) added to the order logits
+    confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR  # spot: weight of log(stale coupled confidence) in the order
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from spot_dlm.api import METHOD_RULES, GenerateConfig, generate, load_target
+from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -275,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--confidence-prior",
         type=float,
-        default=3.0,
+        default=DEFAULT_CONFIDENCE_PRIOR,
         help="spot: weight of log(stale coupled confidence) added to the order model's logits (0: order model only)",
     )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
