@@ -649,6 +649,12 @@ def test_train_drafter_on_standard_shards(standard_shards, tmp_path: Path) -> No
     check_metrics(metrics, "heldout_next_commit_accuracy_by_depth", out)
     naive = metrics["heldout_naive_stale_confidence_accuracy_by_depth"]
     assert set(naive) == set(metrics["heldout_next_commit_accuracy_by_depth"])
+    per_temperature = metrics["heldout_accuracy_by_temperature_and_depth"]
+    assert set(per_temperature) == set(metrics["heldout_naive_accuracy_by_temperature_and_depth"]) == {"0", "1"}
+    overall = metrics["heldout_next_commit_accuracy_by_depth"]
+    for depth, accuracy in overall.items():  # the overall figure is a weighted mean of the per-temperature ones
+        slices = [by_depth[depth] for by_depth in per_temperature.values() if depth in by_depth]
+        assert min(slices) - 1e-9 <= accuracy <= max(slices) + 1e-9
     assert all(0.0 <= a <= 1.0 for a in naive.values())
 
 

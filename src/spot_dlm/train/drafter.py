@@ -25,6 +25,17 @@ class Examples:
     depth: np.ndarray  # int64 [M]: d >= 1 (predict the commit of step i + d)
 
 
+def examples_where(ex: Examples, keep: np.ndarray) -> Examples:
+    """The examples whose ``keep`` flag (bool [M]) is set."""
+    return Examples(row=ex.row[keep], depth=ex.depth[keep])
+
+
+def by_temperature(data: dict[str, np.ndarray], ex: Examples, measure) -> dict[str, dict[int, float]]:
+    """``measure(examples)`` on the examples of each logged temperature, keyed by the temperature as text."""
+    temperature = data["temperature"][ex.row]
+    return {f"{t:g}": measure(examples_where(ex, temperature == t)) for t in np.unique(temperature)}
+
+
 def build_examples(data: dict[str, np.ndarray], max_depth: int, rows: np.ndarray, sets: bool = False) -> Examples:
     """All (i, d) with rows i and i + d in the same block, i in ``rows`` (order model: one commit at step i + d)."""
     block, n_rows = data["block_id"], len(data["block_id"])
@@ -157,8 +168,14 @@ def train_drafter(
         "objective": "sets" if sets else "order",
         ("heldout_exact_set_accuracy_by_depth" if sets else "heldout_next_commit_accuracy_by_depth"): accuracy,
     }
+    metrics["heldout_accuracy_by_temperature_and_depth"] = by_temperature(
+        data, held_ex, lambda ex: accuracy_by_depth(model, data, cum, ex, max_depth, sets)
+    )
     if not sets:
         metrics["heldout_naive_stale_confidence_accuracy_by_depth"] = naive_accuracy(data, cum, held_ex, max_depth)
+        metrics["heldout_naive_accuracy_by_temperature_and_depth"] = by_temperature(
+            data, held_ex, lambda ex: naive_accuracy(data, cum, ex, max_depth)
+        )
     metrics |= {
         "train_examples": int(len(train_ex.row)),
         "heldout_examples": int(len(held_ex.row)),
