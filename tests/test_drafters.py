@@ -468,6 +468,22 @@ def test_order_features_layout() -> None:
     assert features[:, 32].tolist() == [1.0, 1.0, 1.0, 0.0]
     assert features[:, 33].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert features[:, 34].tolist() == [0.5, 0.0, 0.75, 0.0]  # coupled confidence only where still open
+    config = OrderModelConfig(threshold_feature=True, temperature_feature=True)
+    with_rule = order_features(top, stale_masked, branch, coupled, config.rule_inputs(tau=0.8, temperature=1.5))
+    assert with_rule.shape == (4, config.n_features) == (4, 37)
+    assert torch.equal(with_rule[:, :35], features)
+    assert with_rule[:, 35].tolist() == [0.800000011920929] * 4 and with_rule[:, 36].tolist() == [1.5] * 4
+    assert OrderModelConfig(temperature_feature=True).rule_inputs(tau=0.8, temperature=0.0) == [0.0]
+
+
+def test_drafter_config_without_the_temperature_key_still_loads(tmp_path: Path) -> None:
+    """Checkpoints written before ``temperature_feature`` existed load with it off."""
+    model = OrderModel(OrderModelConfig(top_k=8, d_model=32, n_layers=1, n_heads=2))
+    save_order_model(model, tmp_path)
+    config_path = tmp_path / "drafter_config.json"
+    old_config = {k: v for k, v in json.loads(config_path.read_text()).items() if k != "temperature_feature"}
+    config_path.write_text(json.dumps(old_config))
+    assert load_order_model(tmp_path).config == model.config
 
 
 def test_stale_top_probs_excludes_mask_and_sorts() -> None:
@@ -480,10 +496,12 @@ def test_stale_top_probs_excludes_mask_and_sorts() -> None:
     assert bool((top[:, :-1] >= top[:, 1:]).all())
 
 
+@pytest.mark.parametrize("temperature_feature", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_spot_drafter_tree_invariants(temperature: float) -> None:
+def test_spot_drafter_tree_invariants(temperature: float, temperature_feature: bool) -> None:
     torch.manual_seed(2)
-    model = OrderModel(OrderModelConfig(top_k=8, d_model=32, n_layers=1, n_heads=2)).eval()
+    config = OrderModelConfig(top_k=8, d_model=32, n_layers=1, n_heads=2, temperature_feature=temperature_feature)
+    model = OrderModel(config).eval()
     context = make_context(temperature, seed=7)
     for budget, depth in ((1, 3), (6, 2), (12, 8)):
         tree = SpotDrafter(model, budget=budget, depth=depth).propose(context)

@@ -212,6 +212,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         max_depth=args.depth,
         threads=args.threads,
         sets=args.sets,
+        temperature_feature=args.temperature_feature,
     )
     if not args.sets:  # the Spiffy-style calibrated graph is built from the same one-commit trajectories
         data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
@@ -360,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     tdr.add_argument("--depth", type=int, default=8)
     tdr.add_argument("--threads", type=int, default=1)
     tdr.add_argument("--sets", action="store_true", help="train the SPOT-Sets model (threshold trajectories)")
+    tdr.add_argument(
+        "--temperature-feature", action="store_true", help="give the model the sampling temperature as an input"
+    )
     tdr.set_defaults(func=_train_drafter)
     return parser
 

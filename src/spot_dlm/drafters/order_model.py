@@ -34,6 +34,7 @@ class OrderModelConfig:
     max_block_length: int = 64
     mlp_ratio: int = 4
     threshold_feature: bool = False  # SPOT-Sets: the rule's tau is an input, so one model serves every tau
+    temperature_feature: bool = False  # the sampling temperature is an input, so one model serves every T
 
     def __post_init__(self) -> None:
         for name in ("top_k", "d_model", "n_layers", "n_heads", "max_block_length", "mlp_ratio"):
@@ -45,7 +46,11 @@ class OrderModelConfig:
 
     @property
     def n_features(self) -> int:
-        return self.top_k + N_FLAG_FEATURES + int(self.threshold_feature)
+        return self.top_k + N_FLAG_FEATURES + int(self.threshold_feature) + int(self.temperature_feature)
+
+    def rule_inputs(self, tau, temperature) -> list:
+        """The rule settings this model reads, in feature order (scalars or tensors [...])."""
+        return [value for on, value in ((self.threshold_feature, tau), (self.temperature_feature, temperature)) if on]
 
 
 class OrderModel(nn.Module):
@@ -88,19 +93,21 @@ def order_features(
     stale_masked: torch.Tensor,
     branch_committed: torch.Tensor,
     coupled_conf: torch.Tensor,
-    tau: torch.Tensor | float | None = None,
+    rule_inputs: list | tuple = (),
 ) -> torch.Tensor:
     """Drafter input. top_probs [..., L, k]; stale_masked, branch_committed bool [..., L];
-    coupled_conf [..., L] (stale confidence of the coupled token for the predicted step) -> float32 [..., L, k + 3]
+    coupled_conf [..., L] (stale confidence of the coupled token for the predicted step); rule_inputs: scalars or
+    tensors [...] (e.g. tau, temperature; see ``OrderModelConfig.rule_inputs``), one column each
+    -> float32 [..., L, k + 3 + len(rule_inputs)]
     """
     coupled = torch.where(
         stale_masked & ~branch_committed, coupled_conf.float(), torch.zeros_like(coupled_conf).float()
     )
     flags = torch.stack([stale_masked.float(), branch_committed.float(), coupled], dim=-1)
     columns = [top_probs.float(), flags]
-    if tau is not None:  # [...] or scalar -> one more column
-        tau = torch.as_tensor(tau, dtype=torch.float32)
-        columns.append(tau.reshape(*tau.shape, *([1] * (flags.dim() - tau.dim()))).expand(*flags.shape[:-1], 1))
+    for value in rule_inputs:  # [...] or scalar -> one more column
+        value = torch.as_tensor(value, dtype=torch.float32)
+        columns.append(value.reshape(*value.shape, *([1] * (flags.dim() - value.dim()))).expand(*flags.shape[:-1], 1))
     return torch.cat(columns, dim=-1)
 
 
@@ -123,7 +130,7 @@ def _check_config_metadata(path: Path, config: OrderModelConfig) -> None:
 
     with safe_open(str(path), "pt") as handle:
         recorded = (handle.metadata() or {}).get("config")
-    if recorded is not None and json.loads(recorded) != asdict(config):
+    if recorded is not None and OrderModelConfig(**json.loads(recorded)) != config:  # absent keys: defaults
         raise ValueError(f"drafter config does not match the config recorded in {path}: {recorded}")
 
 
@@ -183,6 +190,7 @@ class SpotDrafter:
                 stale_masked.expand_as(states),
                 stale_masked & ~node_masked,
                 coupled_confidence(steps).clamp_min(0),
+                self.model.config.rule_inputs(context.rule.tau, context.rule.temperature),
             )  # [B, L, F]
             return self.model(features.to(next(self.model.parameters()).device)).to(states.device)  # [B, L]
 

@@ -96,7 +96,7 @@ class SetsDrafter:
                 stale_masked.expand_as(states),
                 stale_masked & ~node_masked,
                 coupled,
-                context.rule.tau if self.model.config.threshold_feature else None,
+                self.model.config.rule_inputs(context.rule.tau, context.rule.temperature),
             )
             return torch.sigmoid(self.model(features.to(next(self.model.parameters()).device))).to(states.device)
 

@@ -15,7 +15,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, order_features, save_order_model
+from spot_dlm.drafters.order_model import (
+    N_FLAG_FEATURES,
+    OrderModel,
+    OrderModelConfig,
+    order_features,
+    save_order_model,
+)
 from spot_dlm.train.collect import load_shards
 
 
@@ -50,7 +56,11 @@ def build_examples(data: dict[str, np.ndarray], max_depth: int, rows: np.ndarray
 
 
 def batch_tensors(
-    data: dict[str, np.ndarray], cum_committed: np.ndarray, ex: Examples, index: np.ndarray, with_tau: bool = False
+    data: dict[str, np.ndarray],
+    cum_committed: np.ndarray,
+    ex: Examples,
+    index: np.ndarray,
+    config: OrderModelConfig | None = None,
 ):
     """Features float32 [B, L, F], allowed bool [B, L], target int64 [B] for the chosen examples."""
     i, d = ex.row[index], ex.depth[index]
@@ -62,7 +72,9 @@ def batch_tensors(
         torch.from_numpy(masked),
         torch.from_numpy(branch),
         torch.from_numpy(coupled.astype(np.float32)),
-        torch.from_numpy(data["tau"][i]) if with_tau else None,
+        (config or OrderModelConfig()).rule_inputs(
+            torch.from_numpy(data["tau"][i]), torch.from_numpy(data["temperature"][i])
+        ),
     )
     allowed = torch.from_numpy(masked & ~branch)
     target = torch.from_numpy(data["committed"][i + d])  # bool [B, L]: the set committed by step i + d
@@ -98,7 +110,7 @@ def accuracy_by_depth(
     correct, total = np.zeros(max_depth + 1), np.zeros(max_depth + 1)
     for start in range(0, len(ex.row), batch_size):
         index = np.arange(start, min(start + batch_size, len(ex.row)))
-        features, allowed, target = batch_tensors(data, cum, ex, index, model.config.threshold_feature)
+        features, allowed, target = batch_tensors(data, cum, ex, index, model.config)
         if sets:
             hit = (predicted_set(model, features, allowed) == target).all(-1).numpy()
         else:
@@ -117,7 +129,8 @@ def naive_accuracy(data, cum, ex: Examples, max_depth: int) -> dict[int, float]:
         if len(index) == 0:
             continue
         features, allowed, target = batch_tensors(data, cum, ex, index)
-        guess = features[..., -1].masked_fill(~allowed, -1.0).argmax(-1)
+        coupled = features[..., OrderModelConfig().top_k + N_FLAG_FEATURES - 1]  # [B, L]
+        guess = coupled.masked_fill(~allowed, -1.0).argmax(-1)
         out[d] = float((guess == target.float().argmax(-1)).float().mean())
     return out
 
@@ -132,6 +145,7 @@ def train_drafter(
     threads: int = 1,
     seed: int = 0,
     sets: bool = False,
+    temperature_feature: bool = False,
 ) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -142,7 +156,7 @@ def train_drafter(
     cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
     train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout), sets)
     held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout), sets)
-    model = OrderModel(OrderModelConfig(threshold_feature=sets))
+    model = OrderModel(OrderModelConfig(threshold_feature=sets, temperature_feature=temperature_feature))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
     start, step, loss_ema = time.time(), 0, None
@@ -150,7 +164,7 @@ def train_drafter(
     with tqdm(total=int(budget), unit="s", desc="train drafter") as bar:
         while time.time() - start < budget:
             index = rng.integers(0, len(train_ex.row), size=batch_size)
-            features, allowed, target = batch_tensors(data, cum, train_ex, index, sets)
+            features, allowed, target = batch_tensors(data, cum, train_ex, index, model.config)
             progress = (time.time() - start) / budget
             for group in optimizer.param_groups:
                 group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
