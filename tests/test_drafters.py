@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import Counter
@@ -29,7 +30,7 @@ from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.train.collect import SHARD_ARRAYS, CollectConfig, collect, load_shards
-from spot_dlm.train.drafter import train_drafter
+from spot_dlm.train.drafter import Examples, batch_tensors, train_drafter
 from spot_dlm.tree import DraftTree
 
 torch.set_num_threads(1)
@@ -336,6 +337,23 @@ def hand_trajectory() -> dict[str, np.ndarray]:
     return {name: np.asarray(value) for name, value in rows.items()}
 
 
+def test_previous_feature_reads_the_row_one_commit_earlier_in_the_same_block() -> None:
+    data = hand_trajectory()
+    n = len(data["step"])
+    data["top"] = np.arange(n * 4 * 32, dtype=np.float16).reshape(n, 4, 32) / (n * 4 * 32)  # distinct per row
+    cum = np.concatenate([np.zeros((1, 4), np.int32), np.cumsum(data["committed"], 0)])
+    rows = np.array([0, 1, 2, 4, 5])  # rows 0 and 4 open their block
+    ex = Examples(row=rows, depth=np.ones(len(rows), dtype=np.int64))
+    config = OrderModelConfig(top_k=32, previous_feature=True)
+    features, _, _ = batch_tensors(data, cum, ex, np.arange(len(rows)), config)
+    assert features.shape == (len(rows), 4, config.n_features)
+    previous, has_previous = features[..., -2], features[..., -1]
+    assert has_previous[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0, 1.0]
+    for k, row in enumerate(rows.tolist()):
+        expected = data["top"][row - 1, :, 0].astype(np.float32) if row not in (0, 4) else np.zeros(4, np.float32)
+        assert np.array_equal(previous[k].numpy(), expected)
+
+
 def test_rank_path_counts_on_hand_made_trajectory() -> None:
     data = hand_trajectory()
     # block 0, row 0 (branch {2}): commit 0 has rank 2 among {3, 1, 0}; then commit 3 has rank 0 among {3, 1},
@@ -469,11 +487,11 @@ def test_order_features_layout() -> None:
     assert features[:, 33].tolist() == [0.0, 1.0, 0.0, 0.0]
     assert features[:, 34].tolist() == [0.5, 0.0, 0.75, 0.0]  # coupled confidence only where still open
     config = OrderModelConfig(threshold_feature=True, temperature_feature=True)
-    with_rule = order_features(top, stale_masked, branch, coupled, config.rule_inputs(tau=0.8, temperature=1.5))
+    with_rule = order_features(top, stale_masked, branch, coupled, config.extra_inputs(tau=0.8, temperature=1.5))
     assert with_rule.shape == (4, config.n_features) == (4, 37)
     assert torch.equal(with_rule[:, :35], features)
     assert with_rule[:, 35].tolist() == [0.800000011920929] * 4 and with_rule[:, 36].tolist() == [1.5] * 4
-    assert OrderModelConfig(temperature_feature=True).rule_inputs(tau=0.8, temperature=0.0) == [0.0]
+    assert OrderModelConfig(temperature_feature=True).extra_inputs(tau=0.8, temperature=0.0) == [0.0]
 
 
 def test_drafter_config_without_the_temperature_key_still_loads(tmp_path: Path) -> None:
@@ -674,6 +692,26 @@ def test_train_drafter_on_standard_shards(standard_shards, tmp_path: Path) -> No
         slices = [by_depth[depth] for by_depth in per_temperature.values() if depth in by_depth]
         assert min(slices) - 1e-9 <= accuracy <= max(slices) + 1e-9
     assert all(0.0 <= a <= 1.0 for a in naive.values())
+
+
+def test_train_drafter_with_temperature_and_previous_features(standard_shards, tmp_path: Path) -> None:
+    """A drafter that also reads T and the confidence trend trains, loads, and drafts valid trees."""
+    config, _ = standard_shards
+    out = tmp_path / "drafter_tp"
+    metrics = train_drafter(
+        config.out_dir, out, minutes=0.05, max_depth=DEPTH, temperature_feature=True, previous_feature=True
+    )
+    check_metrics(metrics, "heldout_next_commit_accuracy_by_depth", out)
+    model = load_order_model(out)
+    assert model.config.temperature_feature and model.config.previous_feature
+    assert model.config.n_features == OrderModelConfig().n_features + 3
+    for temperature in (0.0, 1.0):
+        wide = torch.randn(L, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # V >= top-k
+        context = dataclasses.replace(make_context(temperature, seed=3), stale_logits=wide)
+        with_previous = dataclasses.replace(context, previous_logits=wide.flip(0))
+        for ctx in (context, with_previous):
+            tree = SpotDrafter(model, budget=6, depth=3).propose(ctx)
+            check_one_commit_tree(tree, ctx)
 
 
 def test_train_drafter_sets_on_threshold_shards(threshold_shards, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import spot_dlm.decode as decode_module
-from spot_dlm.decode import DecodeSettings, DecodeStats, NoDrafter, RawGeneration, decode_ids
+from spot_dlm.decode import DecodeSettings, DecodeStats, DraftContext, NoDrafter, RawGeneration, decode_ids
 from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
 from spot_dlm.drafters.sets import SetsDrafter, StaleSetsDrafter
 from spot_dlm.drafters.simple import OracleDrafter, RandomDrafter, StaleConfidenceDrafter
@@ -550,3 +550,37 @@ def test_sets_drafters_accept_commit_sets():
             _, out = assert_exact(case, rule, "batched", make_drafter("stale-sets", case, rule, "batched", None))
             stats.merge(out.stats)
         assert stats.mean_accepted > floor, (params, stats.to_dict())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_draft_context_previous_logits_are_the_states_one_commit_earlier(temperature: float, seed: int) -> None:
+    """Every context's ``previous_logits`` are the target's logits at the state one rule step before ``parent``
+    (None at a block's first state), also after multi-node acceptance; checked against the drafter-free run."""
+    case = make_case(seed, kind="deep", budget=8, depth=4)
+    rule = CommitRule("one", temperature=temperature)
+    steps: list = []
+    decode_ids(target_for(case, "batched"), case.prompt(), case.settings(rule), NoDrafter(), case.key, steps.append)
+    by_block_step = {(r.block_index, r.step_index): r for r in steps}
+    contexts: list[DraftContext] = []
+    inner = make_drafter("oracle", case, rule, "batched", None)
+
+    class Spy:
+        name = "spy"
+
+        def propose(self, context: DraftContext):
+            contexts.append(context)
+            return inner.propose(context)
+
+    out = decode_ids(target_for(case, "batched"), case.prompt(), case.settings(rule), Spy(), case.key)
+    assert max(out.stats.accepted_lengths) > 1  # the oracle accepts several nodes per pass
+    for context in contexts:
+        parent_step = context.root_step - 1
+        record = by_block_step[(context.block_index, parent_step)]
+        assert torch.equal(record.state, context.parent)
+        if parent_step == 0:
+            assert context.previous_logits is None
+            continue
+        before = by_block_step[(context.block_index, parent_step - 1)]
+        assert torch.equal(before.next_state, context.parent)
+        assert torch.allclose(context.previous_logits, before.logits, atol=1e-9, rtol=0)

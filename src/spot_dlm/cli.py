@@ -213,6 +213,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         threads=args.threads,
         sets=args.sets,
         temperature_feature=args.temperature_feature,
+        previous_feature=args.previous_feature,
     )
     if not args.sets:  # the Spiffy-style calibrated graph is built from the same one-commit trajectories
         data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
@@ -363,6 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     tdr.add_argument("--sets", action="store_true", help="train the SPOT-Sets model (threshold trajectories)")
     tdr.add_argument(
         "--temperature-feature", action="store_true", help="give the model the sampling temperature as an input"
+    )
+    tdr.add_argument(
+        "--previous-feature",
+        action="store_true",
+        help="give the model each position's top-1 probability one commit earlier (the confidence trend)",
     )
     tdr.set_defaults(func=_train_drafter)
     return parser

@@ -43,6 +43,7 @@ class DraftContext:
     rule: CommitRule
     mask_id: int
     block_noise: BlockNoise | None = None  # the loop's memo of this block's noise tables (None: draw afresh)
+    previous_logits: torch.Tensor | None = None  # [L, V]: Z of the state one commit before ``parent`` (None: none)
 
     def gumbel(self, step_index: int) -> torch.Tensor:
         """Keyed noise of rule step ``step_index`` for the whole block, float64 [L, V] (shared: do not modify)."""
@@ -204,6 +205,7 @@ def decode_block(
     def passes() -> int:
         return target.counter.passes - first_pass
 
+    previous_logits = None  # Z of the state one rule step before the one ``logits`` belong to
     while True:
         stats.committed_tokens += trace.mark(state, next_state, mask_id, step_index, passes())
         stats.rule_steps += 1
@@ -214,9 +216,10 @@ def decode_block(
             return state, cache, trace
         block_noise.forget_before(step_index)
         tick = time.perf_counter()
-        tree = drafter.propose(
-            DraftContext(state, parent, logits, step_index, block_index, key, settings.rule, mask_id, block_noise)
+        context = DraftContext(
+            state, parent, logits, step_index, block_index, key, settings.rule, mask_id, block_noise, previous_logits
         )
+        tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick
         node_logits = target.score(cache, tree.states).logits  # [N, L, V]
         next_states = _apply_rule(tree.states, node_logits, tree.steps, settings, block_noise, mask_id)
@@ -228,6 +231,7 @@ def decode_block(
             if observer is not None:
                 observer(StepRecord(block_index, tree.steps[a], tree.states[a], node_logits[a], tree.states[b]))
         node = path[-1]
+        previous_logits = node_logits[path[-2]] if len(path) > 1 else logits
         state, logits, step_index, next_state = (
             tree.states[node],
             node_logits[node],

@@ -35,6 +35,7 @@ class OrderModelConfig:
     mlp_ratio: int = 4
     threshold_feature: bool = False  # SPOT-Sets: the rule's tau is an input, so one model serves every tau
     temperature_feature: bool = False  # the sampling temperature is an input, so one model serves every T
+    previous_feature: bool = False  # each position's top-1 stale probability one commit earlier (its trend)
 
     def __post_init__(self) -> None:
         for name in ("top_k", "d_model", "n_layers", "n_heads", "max_block_length", "mlp_ratio"):
@@ -46,11 +47,21 @@ class OrderModelConfig:
 
     @property
     def n_features(self) -> int:
-        return self.top_k + N_FLAG_FEATURES + int(self.threshold_feature) + int(self.temperature_feature)
+        rule = int(self.threshold_feature) + int(self.temperature_feature)
+        return self.top_k + N_FLAG_FEATURES + rule + 2 * int(self.previous_feature)
 
-    def rule_inputs(self, tau, temperature) -> list:
-        """The rule settings this model reads, in feature order (scalars or tensors [...])."""
-        return [value for on, value in ((self.threshold_feature, tau), (self.temperature_feature, temperature)) if on]
+    def extra_inputs(self, tau, temperature, previous_top1=None, has_previous=None) -> list:
+        """The inputs beyond the base features that this model reads, in feature order.
+
+        tau, temperature: scalars or per-example [...]; previous_top1: per-position [..., L] (the top-1 stale
+        probability of the state one commit earlier); has_previous: scalar or [...] (0 at a block's first state).
+        """
+        extras = [
+            value for on, value in ((self.threshold_feature, tau), (self.temperature_feature, temperature)) if on
+        ]
+        if self.previous_feature:
+            extras += [previous_top1, has_previous]
+        return extras
 
 
 class OrderModel(nn.Module):
@@ -93,22 +104,33 @@ def order_features(
     stale_masked: torch.Tensor,
     branch_committed: torch.Tensor,
     coupled_conf: torch.Tensor,
-    rule_inputs: list | tuple = (),
+    extra_inputs: list | tuple = (),
 ) -> torch.Tensor:
     """Drafter input. top_probs [..., L, k]; stale_masked, branch_committed bool [..., L];
-    coupled_conf [..., L] (stale confidence of the coupled token for the predicted step); rule_inputs: scalars or
-    tensors [...] (e.g. tau, temperature; see ``OrderModelConfig.rule_inputs``), one column each
-    -> float32 [..., L, k + 3 + len(rule_inputs)]
+    coupled_conf [..., L] (stale confidence of the coupled token for the predicted step); extra_inputs: one column
+    each, a scalar, per-example [...] or per-position [..., L] (see ``OrderModelConfig.extra_inputs``)
+    -> float32 [..., L, k + 3 + len(extra_inputs)]
     """
     coupled = torch.where(
         stale_masked & ~branch_committed, coupled_conf.float(), torch.zeros_like(coupled_conf).float()
     )
-    flags = torch.stack([stale_masked.float(), branch_committed.float(), coupled], dim=-1)
+    flags = torch.stack([stale_masked.float(), branch_committed.float(), coupled], dim=-1)  # [..., L, 3]
     columns = [top_probs.float(), flags]
-    for value in rule_inputs:  # [...] or scalar -> one more column
+    for value in extra_inputs:
         value = torch.as_tensor(value, dtype=torch.float32)
-        columns.append(value.reshape(*value.shape, *([1] * (flags.dim() - value.dim()))).expand(*flags.shape[:-1], 1))
+        if value.dim() == flags.dim() - 1:  # per position [..., L]
+            value = value[..., None]
+        else:  # scalar or per example [...]
+            value = value.reshape(*value.shape, *([1] * (flags.dim() - value.dim())))
+        columns.append(value.expand(*flags.shape[:-1], 1))
     return torch.cat(columns, dim=-1)
+
+
+def previous_top1(context: DraftContext) -> tuple[torch.Tensor, float]:
+    """Top-1 stale probability per position one commit before the stale state (zeros if none), and a 0/1 flag."""
+    if context.previous_logits is None:
+        return torch.zeros(context.root.shape[0], device=context.root.device), 0.0
+    return stale_top_probs(context.previous_logits, context.mask_id, 1)[:, 0], 1.0
 
 
 def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = None) -> None:
@@ -175,8 +197,10 @@ class SpotDrafter:
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context)
-        top_probs = stale_top_probs(context.stale_logits, context.mask_id, self.model.config.top_k)  # [L, k]
+        config = self.model.config
+        top_probs = stale_top_probs(context.stale_logits, context.mask_id, config.top_k)  # [L, k]
         stale_masked = context.parent == context.mask_id  # [L]
+        previous, has_previous = previous_top1(context)  # [L], 0/1
         memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)
 
         def coupled_confidence(steps: list[int]) -> torch.Tensor:
@@ -190,7 +214,9 @@ class SpotDrafter:
                 stale_masked.expand_as(states),
                 stale_masked & ~node_masked,
                 coupled_confidence(steps).clamp_min(0),
-                self.model.config.rule_inputs(context.rule.tau, context.rule.temperature),
+                config.extra_inputs(
+                    context.rule.tau, context.rule.temperature, previous.expand_as(states), has_previous
+                ),
             )  # [B, L, F]
             return self.model(features.to(next(self.model.parameters()).device)).to(states.device)  # [B, L]
 

@@ -14,7 +14,7 @@ import torch
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import ChildProposer, StaleGuesses, grow_tree
-from spot_dlm.drafters.order_model import OrderModel, order_features, stale_top_probs
+from spot_dlm.drafters.order_model import OrderModel, order_features, previous_top1, stale_top_probs
 from spot_dlm.tree import DraftTree
 
 DEFAULT_CUTOFFS = (0.9, 0.7, 0.5, 0.3, 0.15)
@@ -85,8 +85,10 @@ class SetsDrafter:
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context)
-        top_probs = stale_top_probs(context.stale_logits, context.mask_id, self.model.config.top_k)  # [L, k]
+        config = self.model.config
+        top_probs = stale_top_probs(context.stale_logits, context.mask_id, config.top_k)  # [L, k]
         stale_masked = context.parent == context.mask_id  # [L]
+        previous, has_previous = previous_top1(context)  # [L], 0/1
 
         def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
             node_masked = states == context.mask_id
@@ -96,7 +98,9 @@ class SetsDrafter:
                 stale_masked.expand_as(states),
                 stale_masked & ~node_masked,
                 coupled,
-                self.model.config.rule_inputs(context.rule.tau, context.rule.temperature),
+                config.extra_inputs(
+                    context.rule.tau, context.rule.temperature, previous.expand_as(states), has_previous
+                ),
             )
             return torch.sigmoid(self.model(features.to(next(self.model.parameters()).device))).to(states.device)
 

@@ -67,13 +67,19 @@ def batch_tensors(
     branch = (cum_committed[i + d] - cum_committed[i]) > 0  # committed by steps i .. i+d-1
     masked = data["masked"][i]
     coupled = data["coupled"][i, d - 1]  # [B, L]
+    before = np.maximum(i - 1, 0)  # row of the state one commit earlier, when it is in the same block
+    has_previous = (data["step"][i] > 0) & (data["block_id"][before] == data["block_id"][i])
+    previous = np.where(has_previous[:, None], data["top"][before, :, 0], 0).astype(np.float32)  # [B, L]
     features = order_features(
         torch.from_numpy(data["top"][i].astype(np.float32)),
         torch.from_numpy(masked),
         torch.from_numpy(branch),
         torch.from_numpy(coupled.astype(np.float32)),
-        (config or OrderModelConfig()).rule_inputs(
-            torch.from_numpy(data["tau"][i]), torch.from_numpy(data["temperature"][i])
+        (config or OrderModelConfig()).extra_inputs(
+            torch.from_numpy(data["tau"][i]),
+            torch.from_numpy(data["temperature"][i]),
+            torch.from_numpy(previous),
+            torch.from_numpy(has_previous),
         ),
     )
     allowed = torch.from_numpy(masked & ~branch)
@@ -146,6 +152,7 @@ def train_drafter(
     seed: int = 0,
     sets: bool = False,
     temperature_feature: bool = False,
+    previous_feature: bool = False,
 ) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -156,7 +163,10 @@ def train_drafter(
     cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
     train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout), sets)
     held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout), sets)
-    model = OrderModel(OrderModelConfig(threshold_feature=sets, temperature_feature=temperature_feature))
+    config = OrderModelConfig(
+        threshold_feature=sets, temperature_feature=temperature_feature, previous_feature=previous_feature
+    )
+    model = OrderModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
     start, step, loss_ema = time.time(), 0, None
