@@ -16,6 +16,8 @@ from spot_dlm.bench.run import (
     SPECULATIVE,
     THRESHOLD_FAMILY,
     BenchConfig,
+    best_budget_lines,
+    best_budgets,
     extract_answer,
     format_table,
     is_correct,
@@ -239,11 +241,39 @@ def test_stale_sets_tokens_equal_threshold_tokens(report, bench_target, tiny_cod
 def test_format_table_mentions_every_method(report: dict) -> None:
     table = format_table(report)
     lines = table.splitlines()
-    assert len(lines) == 2 + len(report["results"])
+    best = best_budgets(report["results"])
+    assert len(lines) == 2 + len(report["results"]) + len(best)
     for method in METHODS:
         assert method in table
     for line, row in zip(lines[2:], report["results"]):
         assert row["method"] in line
+    assert all(line.startswith("best budget ") for line in lines[2 + len(report["results"]) :])
+
+
+def test_best_budgets_pick_the_measured_maxima() -> None:
+    def row(method, budget, passes, speed):
+        return {
+            "task": "t",
+            "temperature": 0.0,
+            "method": method,
+            "tau": None,
+            "budget": budget,
+            "passes_ratio_vs_standard": passes,
+            "throughput_ratio_vs_standard": speed,
+        }
+
+    results = [
+        row("standard", None, 1.0, 1.0),
+        row("spot", 2, 1.6, 1.05),
+        row("spot", 4, 2.5, 0.9),
+        row("spot", 16, 3.5, 0.3),
+        row("stale", 4, 1.3, 0.8),
+    ]
+    best = best_budgets(results)
+    assert set(best) == {("t", 0.0, "spot", None), ("t", 0.0, "stale", None)}
+    assert best[("t", 0.0, "spot", None)]["by_tokens_per_second"]["budget"] == 2
+    assert best[("t", 0.0, "spot", None)]["by_passes"]["budget"] == 16
+    assert "by tokens/s 2 (1.05x tok/s, 1.60x passes); by passes 16" in "\n".join(best_budget_lines(results))
 
 
 def test_plot_report_writes_three_pngs(report: dict, tmp_path: Path) -> None:

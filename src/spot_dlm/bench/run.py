@@ -312,7 +312,36 @@ def format_table(report: dict) -> str:
             f"{r['tokens_per_second']:>8.1f}{r['passes_ratio_vs_standard']:>8.2f}"
             f"{r['throughput_ratio_vs_standard']:>8.2f}{r['exact_match_vs_standard']:>6.2f}{accuracy:>9}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + best_budget_lines(report["results"]))
+
+
+def best_budgets(results: list[dict]) -> dict[tuple, dict]:
+    """Per (task, temperature, method, tau) with a budget: the budget with the most tokens/s (measured cost)
+    and the one with the fewest passes. -> {key: {"by_tokens_per_second": row, "by_passes": row}}"""
+    groups: dict[tuple, list[dict]] = {}
+    for row in results:
+        if row["budget"] is not None:
+            groups.setdefault((row["task"], row["temperature"], row["method"], row["tau"]), []).append(row)
+    return {
+        key: {
+            "by_tokens_per_second": max(rows, key=lambda r: r["throughput_ratio_vs_standard"]),
+            "by_passes": max(rows, key=lambda r: r["passes_ratio_vs_standard"]),
+        }
+        for key, rows in groups.items()
+    }
+
+
+def best_budget_lines(results: list[dict]) -> list[str]:
+    lines = []
+    for (task, temperature, method, tau), best in best_budgets(results).items():
+        fast, few = best["by_tokens_per_second"], best["by_passes"]
+        lines.append(
+            f"best budget {task} T={temperature:g} {method}{'' if tau is None else f' tau={tau:g}'}: "
+            f"by tokens/s {fast['budget']} ({fast['throughput_ratio_vs_standard']:.2f}x tok/s, "
+            f"{fast['passes_ratio_vs_standard']:.2f}x passes); by passes {few['budget']} "
+            f"({few['passes_ratio_vs_standard']:.2f}x passes, {few['throughput_ratio_vs_standard']:.2f}x tok/s)"
+        )
+    return lines
 
 
 def write_report(report: dict, json_path: Path | None) -> None:
