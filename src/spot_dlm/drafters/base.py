@@ -8,6 +8,7 @@ position* commits next; ``grow_tree`` turns that score into a tree, best-first b
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,6 +138,7 @@ def grow_tree(
     if children is None:
         children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
     candidates = [_Candidate(context.root, context.root_step, 0.0, -1, 0)]
+    best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
     level = [0]
     keep = budget - 1
     for _ in range(max_depth):
@@ -154,7 +156,9 @@ def grow_tree(
                 child[where] = tokens[where]
                 candidates.append(_Candidate(child, parent.step + 1, parent.logprob + value, index, parent.depth + 1))
                 next_level.append(len(candidates) - 1)
-        bar = _admission_bar(candidates, keep)
+                state_key = child.cpu().numpy().tobytes()
+                best_per_state[state_key] = max(best_per_state.get(state_key, float("-inf")), candidates[-1].logprob)
+        bar = _admission_bar(best_per_state, keep)
         level = [
             i for i in sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep] if candidates[i].logprob > bar
         ]
@@ -174,20 +178,16 @@ def grow_tree(
     return builder.build()
 
 
-def _admission_bar(candidates: list[_Candidate], keep: int) -> float:
+def _admission_bar(best_per_state: dict[bytes, float], keep: int) -> float:
     """Path log-probability of the keep-th best distinct state so far (-inf while fewer exist).
 
     A child never scores above its parent, so the children of a node at or below the bar cannot beat the kept set:
     growth stops there. This prunes drafter calls, never the tree's scores (a child of a node exactly at the bar
     could at most tie it, through a probability-1 commit). At budget 2 it saves the second call per round.
     """
-    best: dict[bytes, float] = {}
-    for cand in candidates[1:]:
-        key = cand.state.cpu().numpy().tobytes()
-        best[key] = max(best.get(key, float("-inf")), cand.logprob)
-    if len(best) < keep:
+    if len(best_per_state) < keep:
         return float("-inf")
-    return sorted(best.values(), reverse=True)[keep - 1]
+    return heapq.nlargest(keep, best_per_state.values())[-1]
 
 
 def masked_log_normalise(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
