@@ -126,11 +126,15 @@ def order_features(
     return torch.cat(columns, dim=-1)
 
 
-def previous_top1(context: DraftContext) -> tuple[torch.Tensor, float]:
-    """Top-1 stale probability per position one commit before the stale state (zeros if none), and a 0/1 flag."""
+def trend_inputs(context: DraftContext, n_nodes: int, config: OrderModelConfig) -> tuple[torch.Tensor | None, float]:
+    """The trend inputs for n_nodes nodes: top-1 stale probability per position one commit before the stale state
+    ([n_nodes, L]; zeros if there is none) and a 0/1 flag; (None, 0) without reading anything when the model does not
+    use them (the softmax over the vocabulary is not free on the hot path)."""
+    if not config.previous_feature:
+        return None, 0.0
     if context.previous_logits is None:
-        return torch.zeros(context.root.shape[0], device=context.root.device), 0.0
-    return stale_top_probs(context.previous_logits, context.mask_id, 1)[:, 0], 1.0
+        return torch.zeros(n_nodes, context.root.shape[0], device=context.root.device), 0.0
+    return stale_top_probs(context.previous_logits, context.mask_id, 1)[:, 0].expand(n_nodes, -1), 1.0
 
 
 def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = None) -> None:
@@ -200,7 +204,6 @@ class SpotDrafter:
         config = self.model.config
         top_probs = stale_top_probs(context.stale_logits, context.mask_id, config.top_k)  # [L, k]
         stale_masked = context.parent == context.mask_id  # [L]
-        previous, has_previous = previous_top1(context)  # [L], 0/1
         memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)
 
         def coupled_confidence(steps: list[int]) -> torch.Tensor:
@@ -215,7 +218,7 @@ class SpotDrafter:
                 stale_masked & ~node_masked,
                 coupled_confidence(steps).clamp_min(0),
                 config.extra_inputs(
-                    context.rule.tau, context.rule.temperature, previous.expand_as(states), has_previous
+                    context.rule.tau, context.rule.temperature, *trend_inputs(context, len(states), config)
                 ),
             )  # [B, L, F]
             return self.model(features.to(next(self.model.parameters()).device)).to(states.device)  # [B, L]

@@ -14,7 +14,7 @@ import torch
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import ChildProposer, StaleGuesses, grow_tree
-from spot_dlm.drafters.order_model import OrderModel, order_features, previous_top1, stale_top_probs
+from spot_dlm.drafters.order_model import OrderModel, order_features, stale_top_probs, trend_inputs
 from spot_dlm.tree import DraftTree
 
 DEFAULT_CUTOFFS = (0.9, 0.7, 0.5, 0.3, 0.15)
@@ -88,7 +88,6 @@ class SetsDrafter:
         config = self.model.config
         top_probs = stale_top_probs(context.stale_logits, context.mask_id, config.top_k)  # [L, k]
         stale_masked = context.parent == context.mask_id  # [L]
-        previous, has_previous = previous_top1(context)  # [L], 0/1
 
         def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
             node_masked = states == context.mask_id
@@ -99,7 +98,7 @@ class SetsDrafter:
                 stale_masked & ~node_masked,
                 coupled,
                 config.extra_inputs(
-                    context.rule.tau, context.rule.temperature, previous.expand_as(states), has_previous
+                    context.rule.tau, context.rule.temperature, *trend_inputs(context, len(states), config)
                 ),
             )
             return torch.sigmoid(self.model(features.to(next(self.model.parameters()).device))).to(states.device)
