@@ -401,6 +401,27 @@ def test_order_model_size_and_shape() -> None:
         model(torch.rand(1, 65, OrderModelConfig().n_features))
 
 
+def test_order_model_equals_torch_transformer_encoder() -> None:
+    """The written-out layers compute what nn.TransformerEncoder (pre-norm, GELU) computes with the same weights,
+    so checkpoints trained with either load into the other."""
+    torch.manual_seed(3)
+    config = OrderModelConfig(top_k=8, d_model=32, n_layers=2, n_heads=4)
+    model = OrderModel(config).eval()
+    layer = torch.nn.TransformerEncoderLayer(
+        32, 4, 128, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+    )
+    reference = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    for param in reference.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    model.encoder.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 16, 32)
+    with torch.inference_mode():
+        assert torch.allclose(model.encoder(x), reference(x), atol=1e-5)
+    reference.train()  # the slow (non-fused) path too
+    with torch.no_grad():
+        assert torch.allclose(model.encoder(x), reference(x), atol=1e-5)
+
+
 @pytest.fixture
 def saved_order_model(tmp_path: Path) -> tuple[OrderModel, Path]:
     torch.manual_seed(1)
