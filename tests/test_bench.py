@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,29 @@ def baseline_row(rows: list[dict], row: dict) -> dict:
         return find_row(rows, task=row["task"], temperature=row["temperature"], method="standard")
     family, tau = row["baseline"].split("@")
     return find_row(rows, task=row["task"], temperature=row["temperature"], method=family, tau=float(tau))
+
+
+def test_decoding_is_interleaved_prompt_by_prompt(bench_config, bench_target, tiny_codec, monkeypatch) -> None:
+    """Every setting decodes prompt i before any setting decodes prompt i + 1 (warm-ups aside), baselines first:
+    a slow spell of the machine then falls on all methods alike."""
+    import spot_dlm.bench.run as bench_run
+
+    calls = []
+    real_generate = bench_run.generate
+
+    def recording_generate(prompts, config, *args, first_request=None, **kwargs):
+        if first_request is not None:  # warm-ups pass no request index
+            calls.append((first_request, config.method, config.budget))
+        return real_generate(prompts, config, *args, first_request=first_request or 0, **kwargs)
+
+    monkeypatch.setattr(bench_run, "generate", recording_generate)
+    config = BenchConfig(**{**asdict(bench_config), "methods": ("standard", "spot", "oracle"), "temperatures": (0.0,)})
+    run_bench(config, target=bench_target, codec=tiny_codec, progress=False)
+    prompts_in_order = [request for request, _, _ in calls]
+    assert prompts_in_order == sorted(prompts_in_order)
+    per_prompt = len(calls) // config.n_prompts
+    assert per_prompt == 1 + 2 * len(BUDGETS)
+    assert all(calls[i * per_prompt][1] == "standard" for i in range(config.n_prompts))
 
 
 def test_report_layout(report: dict, bench_config: BenchConfig) -> None:

@@ -1,8 +1,9 @@
 """``spot-dlm bench``: every method side by side in one process, on the same prompts and noise seeds.
 
-Per (task, temperature): standard decoding runs first and is the reference for exact match, the oracle and the
-ratios; every other method x budget then decodes the same prompts with the same keyed noise. Each method gets an
-untimed warm-up. Threshold-family methods (threshold, dynamic, spot-sets) are compared with their own
+Per (task, temperature): standard decoding is the reference for exact match, the oracle and the ratios; every
+other method x budget decodes the same prompts with the same keyed noise. Decoding is interleaved: prompt by
+prompt, every setting in turn (baselines first), so a drift in machine speed hits all methods alike. Each setting
+gets an untimed warm-up. Threshold-family methods (threshold, dynamic, spot-sets) are compared with their own
 drafter-free threshold baseline at the same tau.
 """
 
@@ -13,7 +14,7 @@ import platform
 import re
 import shlex
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -137,11 +138,17 @@ def summarise(gens: list[Generation], items: list[dict], reference: list[Generat
     }
 
 
-def _drafter_for(method: str, config: GenerateConfig, target, references: list[Generation]) -> Drafter:
-    if method in ("oracle", "sets-oracle"):
-        refs = {i: as_raw(g) for i, g in enumerate(references)}
-        return OracleDrafter(refs, config.block_length, budget=config.budget, depth=config.depth)
-    return make_drafter(config, target)
+@dataclass
+class Setting:
+    """One row of the report: a method at a budget (and tau), its decoding config, drafter and generations."""
+
+    method: str  # as requested, variant suffixes included (e.g. spot-r2)
+    budget: int | None  # None for drafter-free rows
+    tau: float | None  # set for threshold-family rows
+    baseline: str | None  # key of the setting it is compared with; None for standard itself
+    config: GenerateConfig
+    drafter: Drafter
+    generations: list[Generation] = field(default_factory=list)
 
 
 def method_options(method: str) -> tuple[str, dict]:
@@ -156,9 +163,13 @@ def method_options(method: str) -> tuple[str, dict]:
     return base, options
 
 
-def run_setting(target, codec, items, method, budget, temperature, tau, bench: BenchConfig, reference):
-    method, options = method_options(method)
-    gen_method = {"sets-oracle": "threshold", "oracle": "standard"}.get(method, method)
+def make_setting(
+    target, method: str, budget: int | None, temperature: float, tau: float | None, bench: BenchConfig, references
+) -> Setting:
+    """Config and drafter of one row. ``references`` (request index -> reference decoding) is filled by the caller
+    prompt by prompt; only the oracles read it."""
+    base, options = method_options(method)
+    gen_method = {"sets-oracle": "threshold", "oracle": "standard"}.get(base, base)
     config = GenerateConfig(
         **options,
         method=gen_method,
@@ -166,16 +177,63 @@ def run_setting(target, codec, items, method, budget, temperature, tau, bench: B
         gen_length=bench.gen_length,
         temperature=temperature,
         seed=bench.seed,
-        budget=budget,
+        budget=budget or 1,
         depth=bench.depth,
-        tau=tau,
+        tau=0.9 if tau is None else tau,
         drafter=bench.drafter,
     )
-    drafter = _drafter_for(method, config, target, reference) if reference is not None else None
-    prompts = [item["question"] for item in items]
-    warm = GenerateConfig(**{**asdict(config), "gen_length": config.block_length})
-    generate(prompts[:1], warm, target, codec, drafter=drafter if method not in ("oracle", "sets-oracle") else None)
-    return generate(prompts, config, target, codec, drafter=drafter)
+    if base in ("oracle", "sets-oracle"):
+        drafter = OracleDrafter(references, config.block_length, budget=config.budget, depth=config.depth)
+    else:
+        drafter = make_drafter(config, target)
+    family = THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
+    baseline = None if method == "standard" else (f"{family}@{tau}" if family and budget else "standard")
+    return Setting(method, budget, tau if family else None, baseline, config, drafter)
+
+
+def plan_settings(target, temperature: float, bench: BenchConfig) -> tuple[list[Setting], dict[str, dict]]:
+    """Every row of one (task, temperature), baselines before the rows compared with them.
+
+    Returns the settings and, per baseline key, the reference dict its oracle rows read (filled while decoding)."""
+    references: dict[str, dict] = {"standard": {}}
+    settings = {"standard": make_setting(target, "standard", None, temperature, None, bench, None)}
+    for method, budget, tau in _jobs(bench):
+        family = THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
+        base_key = f"{family}@{tau}" if family else "standard"
+        if family and base_key not in settings:
+            references[base_key] = {}
+            settings[base_key] = make_setting(target, family, None, temperature, tau, bench, None)
+        if method not in ("threshold", "dynamic"):
+            setting = make_setting(target, method, budget, temperature, tau, bench, references[base_key])
+            settings[setting_key(setting)] = setting
+    return list(settings.values()), references
+
+
+def setting_key(setting: Setting) -> str:
+    if setting.budget is None:
+        return "standard" if setting.tau is None else f"{setting.config.method}@{setting.tau}"
+    return f"{setting.method}#{setting.budget}@{setting.tau}"
+
+
+def warm_up(setting: Setting, prompt: str, target, codec) -> None:
+    """One untimed block, so first-call costs (allocations, lazy loads) stay out of the timings."""
+    warm = GenerateConfig(**{**asdict(setting.config), "gen_length": setting.config.block_length})
+    drafter = None if isinstance(setting.drafter, OracleDrafter) else setting.drafter
+    generate([prompt], warm, target, codec, drafter=drafter)
+
+
+def decode_interleaved(settings: list[Setting], references: dict[str, dict], prompts, target, codec, desc, progress):
+    """Prompt by prompt, every setting in turn: a drift in machine speed (other load, clocks) then hits every
+    method alike instead of whichever ran during it. Baselines come first, so each prompt's reference exists
+    before an oracle reads it."""
+    for setting in settings:
+        warm_up(setting, prompts[0], target, codec)
+    for index, prompt in enumerate(tqdm(prompts, desc=desc, disable=not progress)):
+        for setting in settings:
+            gen = generate([prompt], setting.config, target, codec, drafter=setting.drafter, first_request=index)[0]
+            setting.generations.append(gen)
+            if setting.baseline is None or setting.budget is None:  # a baseline: record its reference
+                references.get(setting_key(setting), {})[index] = as_raw(gen)
 
 
 def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True) -> dict:
@@ -193,43 +251,15 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
                 f"no {task} prompt fits the model's {target.max_length}-token context with gen length "
                 f"{bench.gen_length}"
             )
+        prompts = [item["question"] for item in items]
         for temperature in bench.temperatures:
-            baselines = {"standard": run_setting(target, codec, items, "standard", 1, temperature, 0.9, bench, None)}
-            rows.append(_row(task, "standard", None, temperature, None, baselines["standard"], items, None, None))
-            jobs = _jobs(bench)
-            for method, budget, tau in tqdm(jobs, desc=f"{task} T={temperature:g}", disable=not progress):
-                family = THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
-                base_key = f"{family}@{tau}" if family else "standard"
-                if family and base_key not in baselines:
-                    baselines[base_key] = run_setting(target, codec, items, family, 1, temperature, tau, bench, None)
-                    rows.append(
-                        _row(
-                            task,
-                            family,
-                            None,
-                            temperature,
-                            tau,
-                            baselines[base_key],
-                            items,
-                            baselines["standard"],
-                            "standard",
-                        )
-                    )
-                if method in ("threshold", "dynamic"):
-                    continue
-                gens = run_setting(target, codec, items, method, budget, temperature, tau, bench, baselines[base_key])
+            settings, references = plan_settings(target, temperature, bench)
+            decode_interleaved(settings, references, prompts, target, codec, f"{task} T={temperature:g}", progress)
+            by_key = {setting_key(s): s for s in settings}
+            for s in settings:
+                reference = by_key[s.baseline].generations if s.baseline else None
                 rows.append(
-                    _row(
-                        task,
-                        method,
-                        budget,
-                        temperature,
-                        tau if family else None,
-                        gens,
-                        items,
-                        baselines[base_key],
-                        base_key,
-                    )
+                    _row(task, s.method, s.budget, temperature, s.tau, s.generations, items, reference, s.baseline)
                 )
     return {
         "config": asdict(bench),
