@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev,train,bench]"
+	$(PY) -m pip install --quiet -e ".[dev,train,bench,hf]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -212,7 +212,7 @@ def test_cli_json_token_ids_cut_before_eos(
     capsys: pytest.CaptureFixture, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_target, real_codec = load_target(checkpoint_dir)
-    monkeypatch.setattr(cli, "load_target", lambda name: (EosAtTarget(real_target, position=1), real_codec))
+    monkeypatch.setattr(cli, "load_target", lambda name, **options: (EosAtTarget(real_target, position=1), real_codec))
     code, out, err = run_cli(capsys, *generate_args(checkpoint_dir, "--prompt", PROMPT, "--json"))
     assert code == 0, err
     record = json.loads(out)

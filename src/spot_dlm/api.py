@@ -174,15 +174,25 @@ class Generation:
         return self.stats["target_passes"]
 
 
-def load_target(name: str | Path | None = None, scoring: str = "batched", dtype: torch.dtype = torch.float32):
-    """``None`` or ``"builtin"``: the shipped model; otherwise a checkpoint folder of the built-in architecture."""
+def load_target(
+    name: str | Path | None = None,
+    scoring: str = "batched",
+    dtype: torch.dtype = torch.float32,
+    hf_options: dict | None = None,
+):
+    """``None`` or ``"builtin"``: the shipped model; a folder of the built-in architecture; or a ``transformers``
+    checkpoint folder (config.json with a ``model_type``; see ``models/hf.py``), which always scores packed;
+    ``hf_options`` go to ``load_hf_target`` (shifted_logits, mask_id, trust_remote_code)."""
     from spot_dlm.models.builtin import builtin_dir, load_builtin_target
+    from spot_dlm.models.hf import is_hf_checkpoint, load_hf_target
 
     if name is None or str(name) == "builtin":
         return load_builtin_target(builtin_dir(), scoring=scoring, dtype=dtype)
     path = Path(name)
     if not path.exists():
         raise ValueError(f"unknown model {str(name)!r}: not 'builtin' and no checkpoint folder at {path}")
+    if is_hf_checkpoint(path):
+        return load_hf_target(path, dtype=dtype, **(hf_options or {}))
     return load_builtin_target(path, scoring=scoring, dtype=dtype)
 
 

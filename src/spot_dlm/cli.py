@@ -12,11 +12,25 @@ from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="'builtin' (default) or a checkpoint folder")
+    parser.add_argument(
+        "--model", default=None, help="'builtin' (default), a built-in checkpoint folder or a transformers folder"
+    )
+    parser.add_argument(
+        "--shifted-logits", action="store_true", help="transformers models that predict token j at j - 1 (Dream)"
+    )
+    parser.add_argument("--mask-id", type=int, default=None, help="transformers models: the mask token id")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="transformers models: run the folder's own modeling code"
+    )
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _load_model(args: argparse.Namespace):
+    hf_options = {"shifted_logits": args.shifted_logits, "mask_id": args.mask_id}
+    return load_target(args.model, hf_options={**hf_options, "trust_remote_code": args.trust_remote_code})
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -46,7 +60,7 @@ def _generate(args: argparse.Namespace) -> int:
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
     )
-    target, codec = load_target(args.model)
+    target, codec = _load_model(args)
     for gen in generate(prompts, config, target, codec, progress=not args.json and len(prompts) > 1):
         if args.json:
             record = {

@@ -1,0 +1,239 @@
+"""Targets served by a Hugging Face ``transformers`` model used as a block-diffusion LM.
+
+Any ``AutoModelForCausalLM`` whose forward takes ``input_ids, attention_mask (4-D), position_ids,
+past_key_values`` (Llama, Qwen2/3 and the SDAR / Fast-dLLM v2 / Dream families built on them) is driven with the
+same query layouts and masks as the built-in target (``models/layout.py``): clean tokens (prompt, finished blocks)
+attend causally, a candidate block attends to every clean token and bidirectionally to itself. The K candidate
+states of a pass are packed into one row, each seeing the prefix and itself only, so the prefix ``DynamicCache`` is
+shared without copies; after the pass the cache is cut back to the clean tokens.
+
+``shifted_logits``: Dream and Fast-dLLM v2 predict token j from the hidden state at j - 1 (position 0 of a block
+from the last clean token); SDAR and LLaDA predict token j at j.
+
+Not reproduced (no weights here to check them against): SDAR's own loop aligns blocks to multiples of the block
+length counting the prompt and lets finished blocks attend bidirectionally inside themselves; LLaDA and Dream
+attend over the whole canvas without a cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from spot_dlm.models.base import PassCounter, ScoreResult
+from spot_dlm.models.layout import attention_mask, block_layout, clean_layout, concat
+from spot_dlm.models.tokenizer import format_prompt
+
+
+@dataclass(frozen=True)
+class HFPrefix:
+    """The clean prefix: its tokens, the model's KV cache of them, and the logits at the last one."""
+
+    tokens: torch.Tensor  # int64 [C]
+    kv: Any  # a transformers Cache holding exactly C positions (updated in place by the next pass)
+    last_logits: torch.Tensor  # [V]: output at the last clean token (predicts block position 0 when shifted)
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def keep_first(kv: Any, n_tokens: int) -> None:
+    """Cut a transformers cache back to its first ``n_tokens`` positions (in place)."""
+    extra = kv.get_seq_length() - n_tokens
+    if extra > 0:
+        kv.crop(-extra)
+
+
+def cache_keyword(model: Any) -> str:
+    """The forward's name for the KV cache: ``cache`` in current transformers, ``past_key_values`` in remote code
+    (SDAR, Dream) and older releases."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool [Q, K] (True = may attend) -> additive float mask [1, 1, Q, K] that every attention backend accepts."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+@dataclass
+class HFTarget:
+    """A ``transformers`` causal-LM architecture behind the ``Target`` protocol (see the module docstring)."""
+
+    model: Any  # a transformers PreTrainedModel with a causal-LM head, in eval mode
+    mask_id: int
+    eos_id: int
+    shifted_logits: bool = False
+    name: str = "hf"
+    counter: PassCounter = field(default_factory=PassCounter)
+
+    def __post_init__(self) -> None:
+        config = self.model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_length = int(getattr(config, "max_position_embeddings", 0) or 0)
+        for label, token in (("mask", self.mask_id), ("EOS", self.eos_id)):
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"{label} token id {token} is outside the model's vocabulary of {self.vocab_size}")
+        if self.max_length < 1:
+            raise ValueError("the model config has no max_position_embeddings: its context length is unknown")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _forward(self, cache: HFPrefix | None, clean: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """One pass over [clean | candidate 0 | candidate 1 | ...] after the cached prefix.
+
+        clean int64 [Nc]; blocks int64 [K, L] -> (logits [Nc + K L, V], the cache now holding prefix + clean).
+        """
+        from transformers import DynamicCache
+
+        n_past = 0 if cache is None else cache.length
+        n_clean, (n_nodes, block_length) = clean.shape[0], blocks.shape
+        device = self.device
+        layout = concat(
+            clean_layout(n_past, n_clean, device),
+            *(block_layout(n_past + n_clean, block_length, k, device) for k in range(n_nodes)),
+        )
+        kv = DynamicCache(config=self.model.config) if cache is None else cache.kv
+        dtype = next(self.model.parameters()).dtype
+        out = self.model(
+            input_ids=torch.cat([clean, blocks.reshape(-1)])[None],
+            attention_mask=additive_mask(attention_mask(layout, n_past), dtype),
+            position_ids=layout.positions[None],
+            use_cache=True,
+            **{cache_keyword(self.model): kv},
+        )
+        keep_first(kv, n_past + n_clean)
+        self.counter.record(len(layout))
+        return out.logits[0], kv
+
+    @staticmethod
+    def _extend(cache: HFPrefix | None, clean: torch.Tensor, logits: torch.Tensor, kv: Any) -> HFPrefix:
+        tokens = clean if cache is None else torch.cat([cache.tokens, clean])
+        return HFPrefix(tokens=tokens, kv=kv, last_logits=logits[clean.shape[0] - 1])
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor) -> HFPrefix:
+        """prompt_ids int64 [P], P >= 1."""
+        if prompt_ids.ndim != 1 or prompt_ids.shape[0] == 0:
+            raise ValueError("the prompt must be a non-empty 1-D tensor of token ids")
+        prompt_ids = prompt_ids.to(self.device)
+        logits, kv = self._forward(None, prompt_ids, prompt_ids.new_zeros(0, 1))
+        return self._extend(None, prompt_ids, logits, kv)
+
+    @torch.no_grad()
+    def score(self, cache: HFPrefix, blocks: torch.Tensor, finished: torch.Tensor | None = None) -> ScoreResult:
+        """Logits [K, L, V] of K candidate states; ``finished`` (int64 [L']) is written to the cache first.
+
+        The cache object passed in is advanced in place: use the returned one afterwards."""
+        clean = blocks.new_zeros(0) if finished is None else finished.to(self.device)
+        n_nodes, block_length = blocks.shape
+        logits, kv = self._forward(cache, clean, blocks.to(self.device))
+        new_cache = cache if finished is None else self._extend(cache, clean, logits, kv)
+        nodes = logits[clean.shape[0] :].reshape(n_nodes, block_length, -1)  # [K, L, V]
+        if self.shifted_logits:
+            first = new_cache.last_logits.expand(n_nodes, 1, -1)
+            nodes = torch.cat([first, nodes[:, :-1]], dim=1)
+        return ScoreResult(logits=nodes, cache=new_cache)
+
+    @torch.no_grad()
+    def write(self, cache: HFPrefix, finished: torch.Tensor) -> HFPrefix:
+        finished = finished.to(self.device)
+        logits, kv = self._forward(cache, finished, finished.new_zeros(0, 1))
+        return self._extend(cache, finished, logits, kv)
+
+
+@dataclass(frozen=True)
+class HFCodec:
+    """Text <-> ids through the checkpoint's own ``transformers`` tokenizer (chat template when it has one)."""
+
+    tokenizer: Any
+    mask_id: int
+    eos_id: int
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids if int(i) not in (self.mask_id,)], skip_special_tokens=True)
+
+    def encode_prompt(self, question: str) -> list[int]:
+        if getattr(self.tokenizer, "chat_template", None):
+            messages = [{"role": "user", "content": question}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.encode(format_prompt(question))
+
+
+def is_hf_checkpoint(folder: Path) -> bool:
+    """A transformers checkpoint folder: its config.json names a ``model_type`` (the built-in config does not)."""
+    config = Path(folder) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(config.read_text())
+    except json.JSONDecodeError:
+        return False
+
+
+def _first_id(value) -> int | None:
+    if isinstance(value, (list, tuple)):
+        return int(value[0]) if value else None
+    return None if value is None else int(value)
+
+
+def load_hf_target(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    shifted_logits: bool = False,
+    mask_id: int | None = None,
+    trust_remote_code: bool = False,
+) -> tuple[HFTarget, HFCodec]:
+    """Load a local transformers checkpoint (safetensors weights only) and its tokenizer.
+
+    The mask token comes from ``mask_id``, else the config's ``mask_token_id`` (SDAR, Dream), else the
+    tokenizer's mask token. ``trust_remote_code`` lets the folder's own modeling code run (SDAR, LLaDA, Dream ship
+    theirs); it is off unless asked for. Nothing is downloaded.
+    """
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as err:  # pragma: no cover - the [hf] extra is part of every documented install
+        raise ImportError(
+            "loading a transformers checkpoint needs the [hf] extra: pip install 'spot-dlm[hf]'"
+        ) from err
+
+    folder = Path(folder)
+    if not is_hf_checkpoint(folder):
+        raise ValueError(f"{folder} is not a transformers checkpoint folder (no config.json with a model_type)")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"no safetensors weights in {folder} (pickled weights are not loaded: they can run code)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ValueError(f"could not load the transformers checkpoint in {folder}: {err}") from err
+    config = model.config
+    mask = mask_id if mask_id is not None else _first_id(getattr(config, "mask_token_id", None))
+    mask = mask if mask is not None else _first_id(tokenizer.mask_token_id)
+    if mask is None:
+        raise ValueError(f"{folder} names no mask token (config mask_token_id or tokenizer mask token): pass mask_id")
+    eos = _first_id(getattr(config, "eos_token_id", None))
+    eos = eos if eos is not None else _first_id(tokenizer.eos_token_id)
+    if eos is None:
+        raise ValueError(f"{folder} names no EOS token (config eos_token_id or tokenizer eos token)")
+    target = HFTarget(model.to(device).eval(), mask, eos, shifted_logits=shifted_logits, name=folder.name)
+    return target, HFCodec(tokenizer, mask, eos)
