@@ -173,8 +173,8 @@ def test_chisquare_detects_noise_reused_across_passes(monkeypatch: pytest.Monkey
     """DESIGN.md §2: re-using one noise tensor for every pass of a block is not a correct sampler; the test sees it."""
     fresh_noise = decode_module.step_noise
 
-    def reused_noise(block_noise, steps, rule):
-        return fresh_noise(block_noise, tuple(0 for _ in steps), rule)
+    def reused_noise(block_noise, steps, rule, states, mask_id):
+        return fresh_noise(block_noise, tuple(0 for _ in steps), rule, states, mask_id)
 
     monkeypatch.setattr(decode_module, "step_noise", reused_noise)
     pvalue = chisquare_pvalue(sample_finals(1.0, 500), exact_distribution(1.0))

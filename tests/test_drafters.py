@@ -647,12 +647,15 @@ def test_loaded_shards_are_consistent_one_commit_trajectories(standard_shards) -
 
 def test_t0_shard_coupled_confidence_is_the_stale_top_probability(standard_shards) -> None:
     """At T = 0 the coupled guess of every future step is the stale argmax, whose confidence is the top-1
-    probability (mask token excluded) that ``top`` stores."""
+    probability (mask token excluded) that ``top`` stores; positions already committed in the stale state (which
+    no draft commits) store 0."""
     _, shards = standard_shards
     data = load_shards([p for p in shards if p.name.startswith("shard_T0_")])
-    coupled = data["coupled"].astype(np.float32)
-    top1 = data["top"][..., 0].astype(np.float32)
-    assert np.allclose(coupled, top1[:, None, :], atol=2e-3)
+    coupled = data["coupled"].astype(np.float32)  # [N, depth, L]
+    top1 = data["top"][..., 0].astype(np.float32)  # [N, L]
+    masked = data["masked"][:, None, :]  # [N, 1, L]
+    assert np.allclose(np.where(masked, coupled, top1[:, None, :]), top1[:, None, :], atol=2e-3)
+    assert not np.where(masked, 0.0, coupled).any()
     hot = load_shards([p for p in shards if p.name.startswith("shard_T1_")])["coupled"].astype(np.float32)
     assert not np.allclose(hot[:, :1], hot[:, 1:2])  # at T = 1 each step has its own noise
 

@@ -434,8 +434,8 @@ def test_negative_control_wrong_step_noise(monkeypatch):
 
     original = decode_module.step_noise
 
-    def shifted(block_noise, steps, rule):
-        return original(block_noise, steps[:1] + tuple(s + 1 for s in steps[1:]), rule)
+    def shifted(block_noise, steps, rule, states, mask_id):
+        return original(block_noise, steps[:1] + tuple(s + 1 for s in steps[1:]), rule, states, mask_id)
 
     monkeypatch.setattr(decode_module, "step_noise", shifted)
     differ = {0.0: 0, 1.0: 0}

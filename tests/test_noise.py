@@ -104,6 +104,23 @@ def test_block_noise_memo_equals_fresh_draws_and_forgets_passed_steps() -> None:
     assert torch.equal(memo.table(0), key.gumbel(4, 0, torch.arange(5), 9))  # redrawn identically on demand
 
 
+def test_block_noise_draws_only_the_rows_asked_for_and_completes_them_later() -> None:
+    key = NoiseKey(seed=5, request=0)
+    memo = BlockNoise(key, block=1, block_length=6, vocab_size=11, device=torch.device("cpu"))
+    full = key.gumbel(1, 2, torch.arange(6), 11)
+    first = torch.tensor([True, False, True, False, False, True])
+    table = memo.table(2, first)
+    assert torch.equal(table[first], full[first])
+    assert not bool(table[~first].any())  # rows nobody asked for are not drawn
+    later = torch.tensor([False, True, True, False, False, False])
+    assert torch.equal(memo.table(2, later)[first | later], full[first | later])
+    assert torch.equal(memo.table(2), full)  # no positions: the whole table
+    stacked = memo.tables((2, 4), torch.stack([first, later]))
+    assert torch.equal(stacked[0], full) and torch.equal(
+        stacked[1][later], key.gumbel(1, 4, torch.arange(6), 11)[later]
+    )
+
+
 def test_uniforms_in_open_unit_interval_and_uniform() -> None:
     values = uniform(fold_key(7, 0, 0, 0), torch.arange(400), 250).flatten()
     assert values.min() > 0.0

@@ -45,10 +45,11 @@ class DraftContext:
     block_noise: BlockNoise | None = None  # the loop's memo of this block's noise tables (None: draw afresh)
     previous_logits: torch.Tensor | None = None  # [L, V]: Z of the state one commit before ``parent`` (None: none)
 
-    def gumbel(self, step_index: int) -> torch.Tensor:
-        """Keyed noise of rule step ``step_index`` for the whole block, float64 [L, V] (shared: do not modify)."""
+    def gumbel(self, step_index: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Keyed noise of rule step ``step_index``, float64 [L, V] (shared: do not modify); with ``positions``
+        (bool [L]) only those rows are guaranteed, the others may be zeros."""
         if self.block_noise is not None:
-            return self.block_noise.table(step_index)
+            return self.block_noise.table(step_index, positions)
         positions = torch.arange(self.root.shape[0], device=self.root.device)
         return self.noise.gumbel(self.block_index, step_index, positions, self.stale_logits.shape[-1])
 
@@ -152,9 +153,12 @@ class _BlockTrace:
         return int(filled.sum())
 
 
-def step_noise(block_noise: BlockNoise, steps: tuple[int, ...], rule: CommitRule) -> torch.Tensor | None:
-    """Keyed Gumbel noise for nodes at the given rule-step indices: float64 [N, L, V], or None at T = 0."""
-    return block_noise.tables(steps) if rule.needs_noise else None
+def step_noise(
+    block_noise: BlockNoise, steps: tuple[int, ...], rule: CommitRule, states: torch.Tensor, mask_id: int
+) -> torch.Tensor | None:
+    """Keyed Gumbel noise for nodes at the given rule-step indices: float64 [N, L, V] (rows of the positions masked
+    in ``states`` [N, L]; the rule reads no others), or None at T = 0."""
+    return block_noise.tables(steps, states == mask_id) if rule.needs_noise else None
 
 
 def _apply_rule(
@@ -166,7 +170,7 @@ def _apply_rule(
     mask_id: int,
 ) -> torch.Tensor:
     """The rule's true next state for every node. states [N, L], logits [N, L, V] -> [N, L]"""
-    noise = step_noise(block_noise, steps, settings.rule)
+    noise = step_noise(block_noise, steps, settings.rule, states, mask_id)
     return step(states, logits, noise, settings.rule, mask_id).tokens
 
 

@@ -92,11 +92,12 @@ class NoiseKey:
 
 @dataclass
 class BlockNoise:
-    """The whole-block Gumbel tables of one block, each drawn once and shared by drafter and verifier.
+    """The Gumbel tables of one block, drawn row by row on demand and shared by drafter and verifier.
 
-    A pure memo over ``NoiseKey.gumbel``: ``table(i)`` equals ``key.gumbel(block, i, arange(L), V)`` bit for bit.
-    Tables are shared, so callers must not modify them in place. ``forget_before(i)`` drops the tables of rule
-    steps a block has passed, so at most about a tree's depth of tables is held.
+    A pure memo over ``NoiseKey.gumbel``: every drawn row of ``table(i)`` equals the same row of
+    ``key.gumbel(block, i, arange(L), V)`` bit for bit. The commit rule reads the rows of masked positions only, so
+    callers may ask for just those (``positions``); the other rows of the returned table may be zeros. Tables are
+    shared: do not modify them. ``forget_before(i)`` drops the tables of rule steps the block has passed.
     """
 
     key: NoiseKey
@@ -104,19 +105,28 @@ class BlockNoise:
     block_length: int
     vocab_size: int
     device: torch.device
-    _tables: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _tables: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # step -> float64 [L, V]
+    _drawn: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # step -> bool [L]
 
-    def table(self, pass_index: int) -> torch.Tensor:
-        """float64 [L, V] noise of one rule step of this block."""
+    def table(self, pass_index: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """float64 [L, V] noise of one rule step; with ``positions`` (bool [L]) only those rows are drawn."""
         if pass_index not in self._tables:
-            positions = torch.arange(self.block_length, device=self.device)
-            self._tables[pass_index] = self.key.gumbel(self.block, pass_index, positions, self.vocab_size)
-        return self._tables[pass_index]
+            shape = (self.block_length, self.vocab_size)
+            self._tables[pass_index] = torch.zeros(shape, dtype=torch.float64, device=self.device)
+            self._drawn[pass_index] = torch.zeros(self.block_length, dtype=torch.bool, device=self.device)
+        table, drawn = self._tables[pass_index], self._drawn[pass_index]
+        wanted = ~drawn if positions is None else positions.to(self.device) & ~drawn
+        missing = wanted.nonzero()[:, 0]  # [P]
+        if missing.numel():
+            table[missing] = self.key.gumbel(self.block, pass_index, missing, self.vocab_size)
+            drawn[missing] = True
+        return table
 
-    def tables(self, pass_indices: list[int] | tuple[int, ...]) -> torch.Tensor:
-        """float64 [K, L, V] noise for K nodes at the given rule-step indices."""
-        return torch.stack([self.table(i) for i in pass_indices])
+    def tables(self, pass_indices: list[int] | tuple[int, ...], positions: torch.Tensor | None = None) -> torch.Tensor:
+        """float64 [K, L, V] noise for K nodes at the given rule-step indices (rows of ``positions`` bool [K, L])."""
+        rows = [None] * len(pass_indices) if positions is None else positions
+        return torch.stack([self.table(i, wanted) for i, wanted in zip(pass_indices, rows)])
 
     def forget_before(self, pass_index: int) -> None:
         for old in [i for i in self._tables if i < pass_index]:
-            del self._tables[old]
+            del self._tables[old], self._drawn[old]

@@ -59,7 +59,7 @@ class CommitRule:
 class Proposal:
     """Per-position token choice and confidence for K states (before choosing which positions commit)."""
 
-    tokens: torch.Tensor  # int64 [K, L]: the (noise-coupled) token each position would take
+    tokens: torch.Tensor  # int64 [K, L]: the (noise-coupled) token each masked position would take; others as given
     confidence: torch.Tensor  # float64 [K, L]: -inf where the position is not masked
 
 
@@ -71,14 +71,14 @@ class StepResult:
 
 
 def _decision_logits(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """float64 logits with the mask token removed from the choice. [K, L, V] -> [K, L, V]"""
+    """float64 logits with the mask token removed from the choice. [..., V] -> [..., V]"""
     z = logits.to(torch.float64, copy=True)
     z[..., mask_id] = float("-inf")
     return z
 
 
 def _confidence(z: torch.Tensor, tokens: torch.Tensor, rule: CommitRule) -> torch.Tensor:
-    """Confidence of each position's chosen token. z float64 [K, L, V], tokens [K, L] -> float64 [K, L]"""
+    """Confidence of each position's chosen token. z float64 [..., V], tokens [...] -> float64 [...]"""
     if rule.confidence == "tempered" and rule.temperature > 0.0:
         return torch.softmax(z / rule.temperature, dim=-1).gather(-1, tokens[..., None])[..., 0]
     probs = torch.softmax(z, dim=-1)
@@ -96,18 +96,21 @@ def propose(
 ) -> Proposal:
     """Token and confidence per position, as the commit rule sees them.
 
-    tokens: int64 [K, L] current states; logits: [K, L, V]; gumbel: float64 [K, L, V] (needed when T > 0).
+    tokens: int64 [K, L] current states; logits: [K, L, V]; gumbel: float64 [K, L, V] (needed when T > 0; only
+    its rows at masked positions are read). Decisions are computed at masked positions only: elsewhere the token
+    is the current one and the confidence -inf.
     """
-    z = _decision_logits(logits, mask_id)  # [K, L, V]
-    if rule.temperature > 0.0:
-        if gumbel is None:
-            raise ValueError("temperature > 0 needs keyed Gumbel noise")
-        chosen = (z / rule.temperature + gumbel.to(z.device)).argmax(-1)  # first max = lowest token id
-    else:
-        chosen = z.argmax(-1)
-    confidence = _confidence(z, chosen, rule)
-    confidence = confidence.masked_fill(tokens != mask_id, float("-inf"))
-    return Proposal(tokens=chosen, confidence=confidence)
+    if rule.temperature > 0.0 and gumbel is None:
+        raise ValueError("temperature > 0 needs keyed Gumbel noise")
+    where = (tokens == mask_id).nonzero(as_tuple=True)  # M masked (row, position) pairs
+    z = _decision_logits(logits[where], mask_id)  # [M, V]
+    score = z / rule.temperature + gumbel[where].to(z.device) if rule.temperature > 0.0 else z
+    chosen = score.argmax(-1)  # [M]; the first maximum, i.e. the lowest token id, wins ties
+    proposal_tokens = tokens.clone()
+    proposal_tokens[where] = chosen
+    confidence = torch.full(tokens.shape, float("-inf"), dtype=torch.float64, device=tokens.device)
+    confidence[where] = _confidence(z, chosen, rule)
+    return Proposal(tokens=proposal_tokens, confidence=confidence)
 
 
 def _commit_counts(confidence: torch.Tensor, n_masked: torch.Tensor, rule: CommitRule) -> torch.Tensor:

@@ -30,14 +30,14 @@ class StaleGuesses:
     _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def at(self, step_index: int) -> Proposal:
-        """Tokens int64 [L] and confidence float64 [L] (for every position) under the noise of ``step_index``."""
+        """Tokens int64 [L] and confidence float64 [L] under the noise of ``step_index``, at the positions masked in
+        the stale state (elsewhere: the stale state's token and confidence -inf)."""
         ctx = self.context
         step_index = step_index if ctx.rule.needs_noise else 0  # without noise every step guesses alike
         if step_index not in self._cache:
-            length = ctx.stale_logits.shape[0]
-            all_masked = torch.full((1, length), ctx.mask_id, dtype=torch.int64, device=ctx.root.device)
-            noise = ctx.gumbel(step_index)[None] if ctx.rule.needs_noise else None
-            full = propose(all_masked, ctx.stale_logits[None], noise, ctx.rule, ctx.mask_id)  # [1, L]
+            stale_masked = ctx.parent == ctx.mask_id  # every node of the tree commits among these positions
+            noise = ctx.gumbel(step_index, stale_masked)[None] if ctx.rule.needs_noise else None
+            full = propose(ctx.parent[None], ctx.stale_logits[None], noise, ctx.rule, ctx.mask_id)  # [1, L]
             self._cache[step_index] = Proposal(tokens=full.tokens[0], confidence=full.confidence[0])
         return self._cache[step_index]
 

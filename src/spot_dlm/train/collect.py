@@ -67,7 +67,7 @@ class TrajectoryLog:
             self.top.append(stale_top_probs(rec.logits, mask_id).cpu().numpy().astype(np.float16))
             self.masked.append((rec.state == mask_id).cpu().numpy())
             self.committed.append(((rec.state == mask_id) & (rec.next_state != mask_id)).cpu().numpy())
-            self.coupled.append(torch.stack(coupled).float().cpu().numpy().astype(np.float16))
+            self.coupled.append(torch.stack(coupled).clamp_min(0).float().cpu().numpy().astype(np.float16))
             self.block_id.append(block_offset + rec.block_index)
             self.step.append(rec.step_index)
             self.prompt_id.append(prompt_id)
