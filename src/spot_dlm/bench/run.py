@@ -163,6 +163,11 @@ def method_options(method: str) -> tuple[str, dict]:
     return base, options
 
 
+def threshold_family(method: str) -> str | None:
+    """The drafter-free threshold rule a method is compared with (None: compared with standard decoding)."""
+    return THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
+
+
 def make_setting(
     target, method: str, budget: int | None, temperature: float, tau: float | None, bench: BenchConfig, references
 ) -> Setting:
@@ -186,7 +191,7 @@ def make_setting(
         drafter = OracleDrafter(references, config.block_length, budget=config.budget, depth=config.depth)
     else:
         drafter = make_drafter(config, target)
-    family = THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
+    family = threshold_family(method)
     baseline = None if method == "standard" else (f"{family}@{tau}" if family and budget else "standard")
     return Setting(method, budget, tau if family else None, baseline, config, drafter)
 
@@ -198,7 +203,7 @@ def plan_settings(target, temperature: float, bench: BenchConfig) -> tuple[list[
     references: dict[str, dict] = {"standard": {}}
     settings = {"standard": make_setting(target, "standard", None, temperature, None, bench, None)}
     for method, budget, tau in _jobs(bench):
-        family = THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
+        family = threshold_family(method)
         base_key = f"{family}@{tau}" if family else "standard"
         if family and base_key not in settings:
             references[base_key] = {}
@@ -232,7 +237,7 @@ def decode_interleaved(settings: list[Setting], references: dict[str, dict], pro
         for setting in settings:
             gen = generate([prompt], setting.config, target, codec, drafter=setting.drafter, first_request=index)[0]
             setting.generations.append(gen)
-            if setting.baseline is None or setting.budget is None:  # a baseline: record its reference
+            if setting.budget is None:  # a drafter-free baseline: record its reference
                 references.get(setting_key(setting), {})[index] = as_raw(gen)
 
 
