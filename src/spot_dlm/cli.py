@@ -29,8 +29,12 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args: argparse.Namespace):
-    hf_options = {"shifted_logits": args.shifted_logits, "mask_id": args.mask_id}
-    return load_target(args.model, hf_options={**hf_options, "trust_remote_code": args.trust_remote_code})
+    hf_options = {
+        "shifted_logits": args.shifted_logits,
+        "mask_id": args.mask_id,
+        "trust_remote_code": args.trust_remote_code,
+    }
+    return load_target(args.model, hf_options=hf_options)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -166,13 +166,13 @@ class HFCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids) -> str:
-        return self.tokenizer.decode([int(i) for i in ids if int(i) not in (self.mask_id,)], skip_special_tokens=True)
+        return self.tokenizer.decode([int(i) for i in ids if int(i) != self.mask_id], skip_special_tokens=True)
 
     def encode_prompt(self, question: str) -> list[int]:
         if getattr(self.tokenizer, "chat_template", None):
             messages = [{"role": "user", "content": question}]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding or a plain list
         return self.encode(format_prompt(question))
 
 
