@@ -271,3 +271,11 @@ def test_cli_bad_checkpoint_config_exit_code_2(
     code, _, err = run_cli(capsys, *generate_args(folder, "--prompt", PROMPT))
     assert code == 2
     assert "error" in err
+
+
+@pytest.mark.parametrize("split", ["2/2", "1", "a/b", "0/0"])
+def test_cli_collect_rejects_a_bad_worker_split(capsys: pytest.CaptureFixture, tmp_path: Path, split: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["collect", "--out", str(tmp_path), "--worker", split])
+    assert exit_info.value.code == 2
+    assert "I/N" in capsys.readouterr().err

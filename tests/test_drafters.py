@@ -670,6 +670,23 @@ def test_collect_resumes_by_skipping_existing_shards(standard_shards, collect_ta
     assert collect_target.counter.passes == passes  # nothing was decoded
 
 
+def test_collect_workers_split_the_shards(standard_shards, collect_target, tiny_codec, tmp_path) -> None:
+    config, shards = standard_shards
+    out = tmp_path / "split"
+    halves = [run_collect(collect_target, tiny_codec, out, worker=i, workers=2)[1] for i in range(2)]
+    assert not set(halves[0]) & set(halves[1])
+    assert sorted(p.name for p in halves[0] + halves[1]) == sorted(p.name for p in shards)
+    for path in shards:
+        with np.load(path) as one, np.load(out / path.name) as split:
+            assert all(np.array_equal(one[name], split[name]) for name in SHARD_ARRAYS)
+
+
+@pytest.mark.parametrize("worker, workers", [(2, 2), (-1, 2), (0, 0)])
+def test_collect_config_rejects_a_bad_worker_split(tmp_path, worker, workers) -> None:
+    with pytest.raises(ValueError, match="worker"):
+        CollectConfig(out_dir=tmp_path, worker=worker, workers=workers)
+
+
 def test_load_shards_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_shards([])

@@ -141,6 +141,17 @@ def _csv(kind):
     return lambda text: tuple(kind(x) for x in text.split(",") if x)
 
 
+def _worker(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/2, got {text!r}") from None
+    if count < 1 or not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"worker I/N needs 0 <= I < N, got {text!r}")
+    return index, count
+
+
 def _bench(args: argparse.Namespace) -> int:
     from spot_dlm.bench.plots import plot_report
     from spot_dlm.bench.run import BenchConfig, format_table, reproduce_command, run_bench, write_report
@@ -212,6 +223,8 @@ def _collect(args: argparse.Namespace) -> int:
         method=args.method,
         taus=args.taus,
         seed=args.seed,
+        worker=args.worker[0],
+        workers=args.worker[1],
     )
     shards = collect(target, codec, config)
     print(f"{len(shards)} shards in {args.out}")
@@ -361,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument("--taus", type=_csv(float), default=(0.9,), help="threshold rules: taus to log")
     col.add_argument("--seed", type=int, default=1)
     col.add_argument("--threads", type=int, default=1)
+    col.add_argument(
+        "--worker", type=_worker, default=(0, 1), metavar="I/N", help="write shard I of every N (parallel processes)"
+    )
     col.set_defaults(func=_collect)
 
     ev = sub.add_parser("evaluate-target", help="held-out NELBO, accuracy, well-formedness, stale agreement")

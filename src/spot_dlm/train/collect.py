@@ -100,6 +100,12 @@ class CollectConfig:
     method: str = "standard"  # the rule whose trajectories are logged (standard, threshold, dynamic)
     taus: tuple[float, ...] = (0.9,)  # threshold rules: one pass over the prompts per tau
     seed: int = 1
+    worker: int = 0  # this process writes the shards whose job index % workers == worker
+    workers: int = 1
+
+    def __post_init__(self):
+        if self.workers < 1 or not 0 <= self.worker < self.workers:
+            raise ValueError(f"worker must be in [0, workers), got {self.worker}/{self.workers}")
 
 
 def collection_prompts(n: int, seed: int = 0) -> list[str]:
@@ -115,14 +121,19 @@ def collection_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def collect(target, codec, config: CollectConfig) -> list[Path]:
-    """Run standard decoding over training prompts at each temperature; write resumable shards."""
+    """Run standard decoding over training prompts at each temperature; write resumable shards.
+
+    With `workers` > 1, several processes share one folder: each writes every `workers`-th shard and returns its own.
+    """
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    (config.out_dir / "collect_config.json").write_text(json.dumps({**asdict(config), "out_dir": str(config.out_dir)}))
+    recorded = {k: v for k, v in asdict(config).items() if k not in ("worker", "workers")}
+    (config.out_dir / "collect_config.json").write_text(json.dumps({**recorded, "out_dir": str(config.out_dir)}))
     prompts = collection_prompts(config.n_prompts, config.seed)
     shards = []
     taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
     starts = range(0, len(prompts), config.prompts_per_shard)
     jobs = [(t, tau, start) for t in config.temperatures for tau in taus for start in starts]
+    jobs = jobs[config.worker :: config.workers]
     for temperature, tau, start in tqdm(jobs, desc="collect shards"):
         path = config.out_dir / f"shard_T{temperature:g}_tau{tau:g}_{start:05d}.npz"
         shards.append(path)
