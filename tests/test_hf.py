@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from spot_dlm.models.hf import HFTarget, additive_mask, is_hf_checkpoint, load_h
 from spot_dlm.models.layout import attention_mask, block_layout, clean_layout, concat  # noqa: E402
 from spot_dlm.noise import NoiseKey  # noqa: E402
 from spot_dlm.rules import CommitRule  # noqa: E402
+from spot_dlm.train.collect import load_shards  # noqa: E402
 
 VOCAB, MASK_ID, EOS_ID = 48, 2, 1
 ARCHITECTURES = ("qwen3", "llama")
@@ -210,3 +212,15 @@ def test_cli_generate_with_a_transformers_folder(hf_folder: Path, capsys) -> Non
     )
     assert code == 0
     assert "passes" in capsys.readouterr().out
+
+
+def test_cli_collect_passes_the_transformers_options(hf_folder: Path, tmp_path: Path) -> None:
+    def collect_top(*options: str) -> np.ndarray:
+        out = tmp_path / ("traj" + "".join(options))
+        args = ["collect", "--model", str(hf_folder), *options, "--out", str(out), "--n-prompts", "2"]
+        assert main([*args, "--temperatures", "0", "--block-length", "8", "--gen-length", "16", "--depth", "2"]) == 0
+        return load_shards(sorted(out.glob("shard_*.npz")))["top"]
+
+    plain, shifted = collect_top(), collect_top("--shifted-logits")
+    assert plain.shape[1:] == shifted.shape[1:] == (8, 32)
+    assert not np.array_equal(plain[: len(shifted)], shifted[: len(plain)])  # the option reached the target

@@ -11,7 +11,7 @@ from spot_dlm.api import METHOD_RULES, GenerateConfig, generate, load_target
 from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
 
 
-def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="'builtin' (default), a built-in checkpoint folder or a transformers folder"
     )
@@ -22,6 +22,10 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="transformers models: run the folder's own modeling code"
     )
+
+
+def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    _add_model_options(parser)
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -212,7 +216,7 @@ def _collect(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    target, codec = load_target(args.model)
+    target, codec = _load_model(args)
     config = CollectConfig(
         out_dir=Path(args.out),
         n_prompts=args.n_prompts,
@@ -363,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge.set_defaults(func=_bench_merge)
 
     col = sub.add_parser("collect", help="log standard-decoding trajectories on training prompts")
-    col.add_argument("--model", default=None)
+    _add_model_options(col)
     col.add_argument("--out", default="runs/trajectories")
     col.add_argument("--n-prompts", type=int, default=200)
     col.add_argument("--temperatures", type=_csv(float), default=(0.0, 1.0))
