@@ -735,6 +735,20 @@ def test_train_drafter_on_standard_shards(standard_shards, tmp_path: Path) -> No
     assert all(0.0 <= a <= 1.0 for a in naive.values())
 
 
+def test_train_drafter_continues_from_a_trained_drafter(standard_shards, tmp_path: Path) -> None:
+    config, _ = standard_shards
+    first = tmp_path / "first"
+    train_drafter(config.out_dir, first, minutes=0.02, max_depth=DEPTH)
+    still = tmp_path / "still"  # lr 0: the saved weights are exactly the ones it started from
+    train_drafter(config.out_dir, still, minutes=0.02, max_depth=DEPTH, lr=0.0, init=first)
+    before, after = load_order_model(first).state_dict(), load_order_model(still).state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    with pytest.raises(ValueError, match="config"):
+        train_drafter(
+            config.out_dir, tmp_path / "x", minutes=0.02, max_depth=DEPTH, temperature_feature=True, init=first
+        )
+
+
 def test_train_drafter_with_temperature_and_previous_features(standard_shards, tmp_path: Path) -> None:
     """A drafter that also reads T and the confidence trend trains, loads, and drafts valid trees."""
     config, _ = standard_shards

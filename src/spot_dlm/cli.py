@@ -249,12 +249,22 @@ def _train_drafter(args: argparse.Namespace) -> int:
         sets=args.sets,
         temperature_feature=args.temperature_feature,
         previous_feature=args.previous_feature,
+        init=_drafter_folder(args.init),
     )
     if not args.sets:  # the Spiffy-style calibrated graph is built from the same one-commit trajectories
         data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
         save_rank_counts(rank_path_counts(data, args.depth), Path(args.out) / "calibration.json")
     print(json.dumps(metrics, indent=2))
     return 0
+
+
+def _drafter_folder(name: str | None) -> Path | None:
+    """'builtin' -> the shipped order model's folder; a path as given; None stays None."""
+    if name != "builtin":
+        return None if name is None else Path(name)
+    from spot_dlm.api import default_drafter_dir
+
+    return default_drafter_dir()
 
 
 def _evaluate_target(args: argparse.Namespace) -> int:
@@ -408,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="give the model each position's top-1 probability one commit earlier (the confidence trend)",
     )
+    tdr.add_argument("--init", default=None, help="continue from a trained drafter folder (or builtin)")
     tdr.set_defaults(func=_train_drafter)
     return parser
 

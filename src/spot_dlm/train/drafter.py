@@ -19,6 +19,7 @@ from spot_dlm.drafters.order_model import (
     N_FLAG_FEATURES,
     OrderModel,
     OrderModelConfig,
+    load_order_model,
     order_features,
     save_order_model,
 )
@@ -141,6 +142,14 @@ def naive_accuracy(data, cum, ex: Examples, max_depth: int) -> dict[int, float]:
     return out
 
 
+def warm_start(folder: Path, config: OrderModelConfig) -> OrderModel:
+    """A trained drafter to continue from; its config must be the one asked for."""
+    model = load_order_model(folder).train()
+    if model.config != config:
+        raise ValueError(f"drafter in {folder} has config {model.config}, training asks for {config}")
+    return model
+
+
 def train_drafter(
     shard_dir: Path,
     out_dir: Path,
@@ -153,7 +162,12 @@ def train_drafter(
     sets: bool = False,
     temperature_feature: bool = False,
     previous_feature: bool = False,
+    init: Path | None = None,
 ) -> dict:
+    """Train the order model (or the sets model) on trajectory shards for ``minutes``; save it with held-out metrics.
+
+    ``init`` starts from a trained drafter folder (e.g. the previous target's), whose feature flags must match.
+    """
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     data = load_shards(sorted(Path(shard_dir).glob("shard_*.npz")))
@@ -166,7 +180,7 @@ def train_drafter(
     config = OrderModelConfig(
         threshold_feature=sets, temperature_feature=temperature_feature, previous_feature=previous_feature
     )
-    model = OrderModel(config)
+    model = OrderModel(config) if init is None else warm_start(Path(init), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
     start, step, loss_ema = time.time(), 0, None
