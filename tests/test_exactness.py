@@ -283,6 +283,41 @@ def collect_and_train(steps: int = 40) -> tuple[OrderModel, float, float]:
     return model.eval(), losses[0], float(np.mean(losses[-5:]))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_features_at_decode_time_equal_the_features_trained_on(temperature: float) -> None:
+    """No train/serve skew: the order model's input for a round's root node, built from the live DraftContext,
+    equals the depth-1 training example of the stale state's logged row (float16 in shards: atol 1e-3)."""
+    from spot_dlm.drafters.base import StaleGuesses
+    from spot_dlm.drafters.order_model import StaleView
+    from spot_dlm.train.collect import TrajectoryLog
+    from spot_dlm.train.drafter import Examples, batch_tensors
+
+    config = OrderModelConfig(top_k=ORDER_TOP_K, temperature_feature=True, previous_feature=True)
+    case = make_case(1, vocab=40, kind="deep", block_length=8, gen_length=24, stop_at_eos=False)
+    rule = CommitRule("one", temperature=temperature)
+    contexts: list[DraftContext] = []
+
+    class Recorder(NoDrafter):
+        def propose(self, context: DraftContext):
+            contexts.append(context)
+            return super().propose(context)
+
+    log = TrajectoryLog(depth=3, tau=rule.tau, temperature=temperature)
+    observer = log.observer(case.key, case.settings(rule), MASK_ID, 0, 0)
+    decode_ids(target_for(case, "batched"), case.prompt(), case.settings(rule), Recorder(), case.key, observer)
+    data = log.arrays()
+    data["top"] = data["top"][..., :ORDER_TOP_K]
+    cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
+    assert len(contexts) == 3 * (8 - 1)  # every state but the all-mask one and the complete one
+    for ctx in contexts:
+        (row,) = np.flatnonzero((data["block_id"] == ctx.block_index) & (data["step"] == ctx.root_step - 1))
+        logged, _, _ = batch_tensors(data, cum, Examples(row=np.array([row]), depth=np.array([1])), [0], config)
+        coupled = StaleGuesses(ctx).at(ctx.root_step).confidence.clamp_min(0)  # [L]
+        live = StaleView.of(ctx, config).features(ctx.root[None], coupled[None])  # [1, L, F]
+        assert live.shape == logged.shape
+        torch.testing.assert_close(live, logged, atol=1e-3, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def trained() -> OrderModel:
     return collect_and_train()[0]

@@ -175,15 +175,49 @@ def order_features(
     return torch.cat(columns, dim=-1)
 
 
-def trend_inputs(context: DraftContext, n_nodes: int, config: OrderModelConfig) -> tuple[torch.Tensor | None, float]:
-    """The trend inputs for n_nodes nodes: top-1 stale probability per position one commit before the stale state
-    ([n_nodes, L]; zeros if there is none) and a 0/1 flag; (None, 0) without reading anything when the model does not
-    use them (the softmax over the vocabulary is not free on the hot path)."""
-    if not config.previous_feature:
-        return None, 0.0
-    if context.previous_logits is None:
-        return torch.zeros(n_nodes, context.root.shape[0], device=context.root.device), 0.0
-    return stale_top_probs(context.previous_logits, context.mask_id, 1)[:, 0].expand(n_nodes, -1), 1.0
+@dataclass(frozen=True)
+class StaleView:
+    """What an order model reads of one round's stale pass, computed once per round and shared by every node."""
+
+    top_probs: torch.Tensor  # float32 [L, k]
+    stale_masked: torch.Tensor  # bool [L]
+    previous_top1: torch.Tensor | None  # [L]: top-1 stale probability one commit earlier; None if not read
+    has_previous: float  # 0 at a block's first state
+    tau: float
+    temperature: float
+    mask_id: int
+    config: OrderModelConfig
+
+    @classmethod
+    def of(cls, context: DraftContext, config: OrderModelConfig) -> StaleView:
+        """The trend inputs are only computed when the model reads them (a softmax over the vocabulary)."""
+        previous, has_previous = None, 0.0
+        if config.previous_feature and context.previous_logits is not None:
+            previous, has_previous = stale_top_probs(context.previous_logits, context.mask_id, 1)[:, 0], 1.0
+        elif config.previous_feature:
+            previous = torch.zeros(context.root.shape[0], device=context.root.device)
+        return cls(
+            top_probs=stale_top_probs(context.stale_logits, context.mask_id, config.top_k),
+            stale_masked=context.parent == context.mask_id,
+            previous_top1=previous,
+            has_previous=has_previous,
+            tau=context.rule.tau,
+            temperature=context.rule.temperature,
+            mask_id=context.mask_id,
+            config=config,
+        )
+
+    def features(self, states: torch.Tensor, coupled_conf: torch.Tensor) -> torch.Tensor:
+        """Model input for B nodes. states int64 [B, L] (their masks), coupled_conf [B, L] -> float32 [B, L, F]"""
+        n_nodes = states.shape[0]
+        previous = None if self.previous_top1 is None else self.previous_top1.expand(n_nodes, -1)
+        return order_features(
+            self.top_probs.expand(n_nodes, -1, -1),
+            self.stale_masked.expand_as(states),
+            self.stale_masked & (states != self.mask_id),
+            coupled_conf,
+            self.config.extra_inputs(self.tau, self.temperature, previous, self.has_previous),
+        )
 
 
 def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = None) -> None:
@@ -250,9 +284,8 @@ class SpotDrafter:
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context)
-        config = self.model.config
-        top_probs = stale_top_probs(context.stale_logits, context.mask_id, config.top_k)  # [L, k]
-        stale_masked = context.parent == context.mask_id  # [L]
+        view = StaleView.of(context, self.model.config)
+        stale_masked = view.stale_masked  # [L]
         memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)
 
         def coupled_confidence(steps: list[int]) -> torch.Tensor:
@@ -260,16 +293,7 @@ class SpotDrafter:
             return torch.stack([guesses.at(s).confidence for s in steps])  # -inf where stale-committed
 
         def model_logits(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
-            node_masked = states == context.mask_id  # [B, L]
-            features = order_features(
-                top_probs.expand(states.shape[0], -1, -1),
-                stale_masked.expand_as(states),
-                stale_masked & ~node_masked,
-                coupled_confidence(steps).clamp_min(0),
-                config.extra_inputs(
-                    context.rule.tau, context.rule.temperature, *trend_inputs(context, len(states), config)
-                ),
-            )  # [B, L, F]
+            features = view.features(states, coupled_confidence(steps).clamp_min(0))  # [B, L, F]
             return self.model(features.to(next(self.model.parameters()).device)).to(states.device)  # [B, L]
 
         def inherited(state: torch.Tensor) -> torch.Tensor | None:

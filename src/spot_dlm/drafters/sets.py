@@ -14,7 +14,7 @@ import torch
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import ChildProposer, StaleGuesses, grow_tree
-from spot_dlm.drafters.order_model import OrderModel, order_features, stale_top_probs, trend_inputs
+from spot_dlm.drafters.order_model import OrderModel, StaleView
 from spot_dlm.tree import DraftTree
 
 DEFAULT_CUTOFFS = (0.9, 0.7, 0.5, 0.3, 0.15)
@@ -85,22 +85,11 @@ class SetsDrafter:
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context)
-        config = self.model.config
-        top_probs = stale_top_probs(context.stale_logits, context.mask_id, config.top_k)  # [L, k]
-        stale_masked = context.parent == context.mask_id  # [L]
+        view = StaleView.of(context, self.model.config)
 
         def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
-            node_masked = states == context.mask_id
             coupled = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(0)  # [B, L]
-            features = order_features(
-                top_probs.expand(states.shape[0], -1, -1),
-                stale_masked.expand_as(states),
-                stale_masked & ~node_masked,
-                coupled,
-                config.extra_inputs(
-                    context.rule.tau, context.rule.temperature, *trend_inputs(context, len(states), config)
-                ),
-            )
+            features = view.features(states, coupled)  # [B, L, F]
             return torch.sigmoid(self.model(features.to(next(self.model.parameters()).device))).to(states.device)
 
         children = sets_children(join_probs, self.cutoffs, self.budget - 1, context.mask_id)
