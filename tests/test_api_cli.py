@@ -279,3 +279,24 @@ def test_cli_collect_rejects_a_bad_worker_split(capsys: pytest.CaptureFixture, t
         cli.main(["collect", "--out", str(tmp_path), "--worker", split])
     assert exit_info.value.code == 2
     assert "I/N" in capsys.readouterr().err
+
+
+def test_cli_evaluate_target_nelbo_only(capsys: pytest.CaptureFixture, checkpoint_dir: Path, tmp_path: Path) -> None:
+    import numpy as np
+
+    tokens = tmp_path / "heldout_tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(3, 40, size=600).astype(np.int32))
+    report_path = tmp_path / "eval.json"
+    args = ["evaluate-target", "--model", str(checkpoint_dir), "--n-prompts", "0", "--block-lengths", "4,8"]
+    code, _, _ = run_cli(capsys, *args, "--heldout-tokens", str(tokens), "--json", str(report_path))
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert set(report["heldout_nelbo_per_token"]) == {"4", "8"}
+    assert all(value > 0 for value in report["heldout_nelbo_per_token"].values())
+    assert "gsm8k" not in report and "gsm_symbolic" not in report  # 0 prompts: nothing decoded
+
+
+def test_cli_evaluate_target_rejects_negative_prompt_count(capsys: pytest.CaptureFixture, checkpoint_dir: Path):
+    code, out, err = run_cli(capsys, "evaluate-target", "--model", str(checkpoint_dir), "--n-prompts", "-1")
+    assert code == 2 and out == ""
+    assert "--n-prompts" in err

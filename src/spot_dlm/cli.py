@@ -277,6 +277,8 @@ def _evaluate_target(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.n_prompts < 0:
+        raise ValueError(f"--n-prompts must be >= 0 (0: held-out NELBO only), got {args.n_prompts}")
     target, codec = load_target(args.model)
     report: dict = {"model": args.model or "builtin", "parameters": target.model.num_parameters()}
     if args.heldout_tokens:
@@ -284,8 +286,8 @@ def _evaluate_target(args: argparse.Namespace) -> int:
         report["heldout_nelbo_per_token"] = {
             str(b): heldout_nelbo(target.model, tokens, b) for b in args.block_lengths
         }
-    seen = train_questions(100_000)
-    for source in ("gsm_symbolic", "gsm8k"):
+    seen = train_questions(100_000) if args.n_prompts else frozenset()
+    for source in ("gsm_symbolic", "gsm8k") if args.n_prompts else ():
         items = heldout_items(source, args.n_prompts, seen if source == "gsm_symbolic" else frozenset())
         report[source] = {str(b): decode_report(target, codec, items, b, args.gen_length) for b in args.block_lengths}
     text = json.dumps(report, indent=2)
