@@ -409,6 +409,8 @@ def test_method_options_parse_variant_suffixes() -> None:
         "spot",
         {"confidence_prior": 3, "alternatives": 2, "drafter_refresh": 2},
     )
+    assert method_options("spot-m50") == ("spot", {"min_path_prob": 0.5})
+    assert method_options("spot-p3-m25") == ("spot", {"confidence_prior": 3, "min_path_prob": 0.25})
     assert method_options("spot-sets") == ("spot-sets", {})
     assert method_options("stale-sets") == ("stale-sets", {})
 

@@ -178,6 +178,9 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
     if name == "spot-prior3":  # the stale-confidence prior added to the order logits
         model = trained if trained is not None else random_order_model(case.seed % 2)
         return SpotDrafter(model, budget=case.budget, depth=case.depth, confidence_prior=3.0)
+    if name == "spot-min30":  # cost-aware trees: nodes below path probability 0.3 left out (often root only)
+        model = trained if trained is not None else random_order_model(case.seed % 2)
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, min_path_prob=0.3)
     if name == "stale-alt3":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":
@@ -345,10 +348,10 @@ def test_speculative_equals_standard(temperature, drafter_name, scoring, trained
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)
-@pytest.mark.parametrize("drafter_name", ("spot-alt2-r2", "spot-prior3", "stale-alt3"))
+@pytest.mark.parametrize("drafter_name", ("spot-alt2-r2", "spot-prior3", "spot-min30", "stale-alt3"))
 @pytest.mark.parametrize("temperature", (0.0, 1.0))
 def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, trained):
-    """Token alternatives and level-skipping order models change only what is drafted, never the output."""
+    """Token alternatives, level-skipping order models and cost-aware trees change only what is drafted."""
     rule = CommitRule("one", temperature=temperature)
     for seed in range(20, 23):
         case = make_case(seed, kind="deep") if seed % 2 else make_case(seed)

@@ -33,6 +33,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
         alternatives=config.alternatives,
         refresh_every=config.drafter_refresh,
         confidence_prior=config.confidence_prior,
+        min_path_prob=config.min_path_prob,
     )
 
 
@@ -117,6 +118,7 @@ class GenerateConfig:
     alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
     drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR  # spot: weight of log(stale coupled confidence) in the order
+    min_path_prob: float = 0.0  # spot: draft only nodes whose path probability reaches this (0: fill the budget)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 
@@ -139,6 +141,8 @@ class GenerateConfig:
             raise ValueError(f"drafter_refresh must be >= 1, got {self.drafter_refresh}")
         if not self.confidence_prior >= 0:  # also rejects NaN
             raise ValueError(f"confidence_prior must be >= 0, got {self.confidence_prior}")
+        if not 0 <= self.min_path_prob < 1:
+            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
         if self.alternatives < 1:
             raise ValueError(f"alternatives must be >= 1, got {self.alternatives}")
         if self.seed < 0:

@@ -64,6 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
         depth=args.depth,
         alternatives=args.alternatives,
         confidence_prior=args.confidence_prior,
+        min_path_prob=args.min_path_prob,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
@@ -327,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_CONFIDENCE_PRIOR,
         help="spot: weight of log(stale coupled confidence) added to the order model's logits (0: order model only)",
+    )
+    gen.add_argument(
+        "--min-path-prob",
+        type=float,
+        default=0.0,
+        help="spot: draft only nodes whose path probability reaches this (0: fill the budget)",
     )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")

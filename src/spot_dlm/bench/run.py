@@ -154,12 +154,19 @@ class Setting:
 def method_options(method: str) -> tuple[str, dict]:
     """Variant suffixes: ``spot-alt2`` tries runner-up tokens (alternatives=2); ``spot-r2`` runs the order model
     every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
-    (confidence_prior=3). They combine in the order -pN, -altN, -rN: ``spot-p3-alt2-r2``."""
+    (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent).
+    They combine in the order -pN, -altN, -rN, -mN: ``spot-p3-alt2-r2-m50``."""
     base, options = method, {}
-    for suffix, key in (("-r", "drafter_refresh"), ("-alt", "alternatives"), ("-p", "confidence_prior")):
+    suffixes = (
+        ("-m", "min_path_prob"),
+        ("-r", "drafter_refresh"),
+        ("-alt", "alternatives"),
+        ("-p", "confidence_prior"),
+    )
+    for suffix, key in suffixes:
         head, sep, value = base.rpartition(suffix)
         if sep and value.isdigit():
-            base, options[key] = head, int(value)
+            base, options[key] = head, int(value) / 100 if key == "min_path_prob" else int(value)
     return base, options
 
 

@@ -9,6 +9,7 @@ position* commits next; ``grow_tree`` turns that score into a tree, best-first b
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -126,8 +127,12 @@ def grow_tree(
     guesses: StaleGuesses | None = None,
     children: ChildProposer | None = None,
     alternatives: int = 1,
+    min_path_prob: float = 0.0,
 ) -> DraftTree:
     """Best-first tree under a node budget (root included) and a depth limit.
+
+    ``min_path_prob`` admits only nodes whose path probability reaches it, so a round scores fewer nodes when the
+    drafter is unsure: on hardware where every scored node costs (a CPU), a node worth less than its cost is left out.
 
     Every edge commits one position (``position_logprobs``) or a set of positions (``children``) with their stale
     coupled tokens; a node's score is its path log-probability. The proposer runs once per depth on the (at most
@@ -137,6 +142,7 @@ def grow_tree(
     guesses = guesses if guesses is not None else StaleGuesses(context)
     if children is None:
         children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
+    min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
     candidates = [_Candidate(context.root, context.root_step, 0.0, -1, 0)]
     best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
     level = [0]
@@ -150,6 +156,8 @@ def grow_tree(
         for index, options in zip(level, proposals):
             parent = candidates[index]
             for value, positions, rank in options:
+                if parent.logprob + value < min_logprob:
+                    continue
                 tokens = guesses.tokens(parent.step, rank)
                 child = parent.state.clone()
                 where = torch.tensor(positions, device=child.device)

@@ -279,6 +279,7 @@ class SpotDrafter:
     alternatives: int = 1  # tokens tried per position (1: the stale coupled guess only)
     refresh_every: int = 1
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR
+    min_path_prob: float = 0.0  # leave out nodes whose path probability is below this (cost-aware trees)
     name: str = "spot"
 
     @torch.no_grad()
@@ -323,4 +324,12 @@ class SpotDrafter:
                 logits = logits + self.confidence_prior * coupled_confidence(steps).clamp_min(1e-12).log()
             return masked_log_normalise(logits, states == context.mask_id)
 
-        return grow_tree(context, self.budget, self.depth, scorer, guesses, alternatives=self.alternatives)
+        return grow_tree(
+            context,
+            self.budget,
+            self.depth,
+            scorer,
+            guesses,
+            alternatives=self.alternatives,
+            min_path_prob=self.min_path_prob,
+        )
