@@ -293,8 +293,9 @@ class SpotDrafter:
             """Stale confidence of each position's coupled token under each node's step noise. -> float64 [B, L]"""
             return torch.stack([guesses.at(s).confidence for s in steps])  # -inf where stale-committed
 
-        def model_logits(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
-            features = view.features(states, coupled_confidence(steps).clamp_min(0))  # [B, L, F]
+        def model_logits(states: torch.Tensor, coupled: torch.Tensor) -> torch.Tensor:
+            """states int64 [B, L], coupled [B, L] (coupled_confidence of their steps) -> logits [B, L]"""
+            features = view.features(states, coupled.clamp_min(0))  # [B, L, F]
             return self.model(features.to(next(self.model.parameters()).device)).to(states.device)  # [B, L]
 
         def inherited(state: torch.Tensor) -> torch.Tensor | None:
@@ -313,15 +314,16 @@ class SpotDrafter:
             rows = [None] * states.shape[0]
             if self.refresh_every > 1 and level % self.refresh_every:
                 rows = [inherited(state) for state in states]
+            coupled = coupled_confidence(steps)  # [B, L]
             missing = [i for i, row in enumerate(rows) if row is None]
             if missing:
-                fresh = model_logits(states[missing], [steps[i] for i in missing])
+                fresh = model_logits(states[missing], coupled[missing])
                 for i, logits in zip(missing, fresh):
                     rows[i] = logits
                     memo[states[i].cpu().numpy().tobytes()] = logits
             logits = torch.stack(rows).to(torch.float64)  # [B, L]
             if self.confidence_prior:
-                logits = logits + self.confidence_prior * coupled_confidence(steps).clamp_min(1e-12).log()
+                logits = logits + self.confidence_prior * coupled.clamp_min(1e-12).log()
             return masked_log_normalise(logits, states == context.mask_id)
 
         return grow_tree(
