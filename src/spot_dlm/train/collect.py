@@ -108,16 +108,40 @@ class CollectConfig:
             raise ValueError(f"worker must be in [0, workers), got {self.worker}/{self.workers}")
 
 
+PROMPT_ORDER = 2  # recorded with a collection; folders without it hold the order before it was prefix-stable
+
+
 def collection_prompts(n: int, seed: int = 0) -> list[str]:
-    """Training-split questions only: half GSM8K train, half gsm_symbolic (training seed), shuffled."""
+    """Training-split questions only, alternating GSM8K train (in a seeded order) and gsm_symbolic (training seed).
+
+    Prefix-stable: the first n prompts of a longer collection are the n-prompt collection, so a folder of shards
+    can be extended by collecting again with a larger ``n`` (prompt ids stay those of the shards already there).
+    """
     from spot_dlm.train.data import TRAIN_SYMBOLIC_SEED, gsm_symbolic_items, load_gsm8k
 
-    rng = np.random.default_rng(seed)
     gsm8k = load_gsm8k("train")
-    picks = rng.choice(len(gsm8k), size=n - n // 2, replace=False)
-    symbolic = gsm_symbolic_items(TRAIN_SYMBOLIC_SEED, n // 2)
-    questions = [gsm8k[i]["question"] for i in picks] + [item["question"] for item in symbolic]
-    return [questions[i] for i in rng.permutation(len(questions))]
+    if n - n // 2 > len(gsm8k):
+        raise ValueError(f"{n} prompts need {n - n // 2} GSM8K train questions; it has {len(gsm8k)}")
+    order = np.random.default_rng(seed).permutation(len(gsm8k))
+    symbolic = gsm_symbolic_items(TRAIN_SYMBOLIC_SEED, n // 2) if n >= 2 else []  # reasoning-gym needs size >= 1
+    return [gsm8k[order[i // 2]]["question"] if i % 2 == 0 else symbolic[i // 2]["question"] for i in range(n)]
+
+
+def recorded_settings(config: CollectConfig) -> dict:
+    """What a folder of shards records about how it was collected (JSON types; worker split left out)."""
+    fields = {k: v for k, v in asdict(config).items() if k not in ("worker", "workers")}
+    return json.loads(json.dumps({**fields, "out_dir": str(config.out_dir), "prompt_order": PROMPT_ORDER}))
+
+
+def check_same_collection(before: dict, now: dict) -> None:
+    """Shards may only be added to a folder collected with the same settings; only ``n_prompts`` may differ (the
+    prompt order is prefix-stable). Raises ValueError naming what differs."""
+    differs = sorted(k for k in before.keys() | now.keys() if k != "out_dir" and before.get(k) != now.get(k))
+    if [k for k in differs if k != "n_prompts"]:
+        changes = ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in differs)
+        raise ValueError(
+            f"{now['out_dir']} holds a collection made with other settings ({changes}); collect into a new folder"
+        )
 
 
 def collect(target, codec, config: CollectConfig) -> list[Path]:
@@ -126,8 +150,12 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     With `workers` > 1, several processes share one folder: each writes every `workers`-th shard and returns its own.
     """
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    recorded = {k: v for k, v in asdict(config).items() if k not in ("worker", "workers")}
-    (config.out_dir / "collect_config.json").write_text(json.dumps({**recorded, "out_dir": str(config.out_dir)}))
+    recorded, record_path = recorded_settings(config), config.out_dir / "collect_config.json"
+    if record_path.is_file():
+        before = json.loads(record_path.read_text())
+        check_same_collection(before, recorded)
+        recorded["n_prompts"] = max(before["n_prompts"], recorded["n_prompts"])
+    record_path.write_text(json.dumps(recorded))
     prompts = collection_prompts(config.n_prompts, config.seed)
     shards = []
     taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
@@ -163,9 +191,10 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
             )
             block_offset += raw.token_ids.shape[0] // config.block_length
         arrays = log.arrays()
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez_compressed(tmp, **arrays)
-        tmp.replace(path)
+        partial = path.with_name(path.name + ".partial")  # not matched by shard_*.npz while being written
+        with partial.open("wb") as handle:
+            np.savez_compressed(handle, **arrays)
+        partial.replace(path)
     return shards
 
 
