@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from spot_dlm.drafters.order_model import (
     OrderModel,
     OrderModelConfig,
     SpotDrafter,
+    freeze_order_model,
     load_order_model,
     order_features,
     save_order_model,
@@ -29,7 +31,7 @@ from spot_dlm.drafters.simple import CalibratedDrafter, ChainDrafter, ranked_all
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
-from spot_dlm.train.collect import SHARD_ARRAYS, CollectConfig, collect, load_shards
+from spot_dlm.train.collect import SHARD_ARRAYS, CollectConfig, collect, collection_prompts, load_shards
 from spot_dlm.train.drafter import Examples, batch_tensors, train_drafter
 from spot_dlm.tree import DraftTree
 
@@ -517,6 +519,42 @@ def test_order_model_block_longer_than_max(saved_order_model: tuple[OrderModel, 
         model(torch.rand(1, 17, model.config.n_features))
 
 
+@pytest.mark.parametrize("shape", [(1, 16), (3, 16), (7, 5), (15, 1)])
+def test_frozen_order_model_gives_the_same_logits_bit_for_bit(
+    saved_order_model: tuple[OrderModel, Path], shape: tuple[int, int]
+) -> None:
+    """One trace (made at a 2-position block) serves every batch size and block length up to the maximum."""
+    model, _ = saved_order_model
+    frozen = freeze_order_model(model)
+    assert frozen.config == model.config and frozen.device == model.device
+    features = torch.rand(*shape, model.config.n_features)
+    with torch.no_grad():
+        assert torch.equal(frozen(features), model(features))
+    with pytest.raises(ValueError, match="block length 17"):
+        frozen(torch.rand(1, 17, model.config.n_features))
+
+
+def test_freezing_leaves_the_trainable_model_alone(saved_order_model: tuple[OrderModel, Path]) -> None:
+    model, _ = saved_order_model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    freeze_order_model(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_spot_drafter_with_a_frozen_model_drafts_the_same_tree(temperature: float) -> None:
+    torch.manual_seed(4)
+    model = OrderModel(OrderModelConfig(top_k=8, d_model=32, n_layers=2, n_heads=2)).eval()
+    frozen = freeze_order_model(model)
+    for seed in range(3):
+        context = make_context(temperature, seed=seed)
+        eager = SpotDrafter(model, budget=8, depth=4).propose(context)
+        fast = SpotDrafter(frozen, budget=8, depth=4).propose(context)
+        assert torch.equal(eager.states, fast.states) and eager.parents == fast.parents
+
+
 def test_order_features_layout() -> None:
     top = torch.rand(4, 32)
     stale_masked = torch.tensor([True, True, True, False])
@@ -647,7 +685,7 @@ def test_collect_writes_shards(standard_shards) -> None:
         "shard_T1_tau0.9_00001.npz",
     }
     assert all(p.is_file() for p in shards)
-    assert not list(config.out_dir.glob("*.tmp.npz"))
+    assert not list(config.out_dir.glob("*.partial"))
     saved = json.loads((config.out_dir / "collect_config.json").read_text())
     assert saved["n_prompts"] == 2 and saved["block_length"] == BLOCK and saved["method"] == "standard"
 
@@ -701,6 +739,42 @@ def test_collect_workers_split_the_shards(standard_shards, collect_target, tiny_
     for path in shards:
         with np.load(path) as one, np.load(out / path.name) as split:
             assert all(np.array_equal(one[name], split[name]) for name in SHARD_ARRAYS)
+
+
+def test_collection_prompts_are_prefix_stable() -> None:
+    longer = collection_prompts(12, seed=1)
+    assert collection_prompts(7, seed=1) == longer[:7]
+    assert len(set(longer)) == 12
+    assert collection_prompts(7, seed=2) != longer[:7]
+
+
+def test_collect_extends_a_folder_with_more_prompts(standard_shards, collect_target, tiny_codec, tmp_path) -> None:
+    """A larger n_prompts adds shards for the new prompts only; the shards there are kept as they are."""
+    config, shards = standard_shards
+    out = tmp_path / "extend"
+    shutil.copytree(config.out_dir, out)
+    before = {p.name: os.stat(out / p.name).st_mtime_ns for p in shards}
+    _, grown = run_collect(collect_target, tiny_codec, out, n_prompts=3)
+    assert {p.name for p in grown} == set(before) | {"shard_T0_tau0.9_00002.npz", "shard_T1_tau0.9_00002.npz"}
+    assert {name: os.stat(out / name).st_mtime_ns for name in before} == before
+    assert set(np.unique(load_shards(sorted(grown))["prompt_id"]).tolist()) == {0, 1, 2}
+    run_collect(collect_target, tiny_codec, out, n_prompts=1)  # a prefix: nothing new, the record keeps 3
+    assert json.loads((out / "collect_config.json").read_text())["n_prompts"] == 3
+
+
+@pytest.mark.parametrize("change", [{"block_length": 4}, {"seed": 5}, {"prompt_order": None}])
+def test_collect_refuses_a_folder_made_with_other_settings(
+    standard_shards, collect_target, tiny_codec, tmp_path, change
+) -> None:
+    config, _ = standard_shards
+    out = tmp_path / "other"
+    shutil.copytree(config.out_dir, out)
+    record = out / "collect_config.json"
+    if "prompt_order" in change:  # a folder from before the prompt order was prefix-stable
+        record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "prompt_order"}))
+        change = {}
+    with pytest.raises(ValueError, match="other settings"):
+        run_collect(collect_target, tiny_codec, out, **change)
 
 
 @pytest.mark.parametrize("worker, workers", [(2, 2), (-1, 2), (0, 0)])

@@ -23,11 +23,11 @@ from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
 
 
 def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
-    from spot_dlm.drafters.order_model import SpotDrafter, load_order_model
+    from spot_dlm.drafters.order_model import SpotDrafter, freeze_order_model, load_order_model
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
     return SpotDrafter(
-        load_order_model(folder),
+        freeze_order_model(load_order_model(folder)),
         budget=config.budget,
         depth=config.depth,
         alternatives=config.alternatives,
@@ -59,11 +59,11 @@ def _calibrated_drafter(config: GenerateConfig, target: Target) -> Drafter:
 
 
 def _sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
-    from spot_dlm.drafters.order_model import load_order_model
+    from spot_dlm.drafters.order_model import freeze_order_model, load_order_model
     from spot_dlm.drafters.sets import SetsDrafter
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir().parent / "sets_drafter"
-    return SetsDrafter(load_order_model(folder), budget=config.budget, depth=config.depth)
+    return SetsDrafter(freeze_order_model(load_order_model(folder)), budget=config.budget, depth=config.depth)
 
 
 def _stale_sets_drafter(config: GenerateConfig, target: Target) -> Drafter:

@@ -14,7 +14,7 @@ import torch
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import ChildProposer, StaleGuesses, grow_tree
-from spot_dlm.drafters.order_model import OrderModel, StaleView
+from spot_dlm.drafters.order_model import FrozenOrderModel, OrderModel, StaleView
 from spot_dlm.tree import DraftTree
 
 DEFAULT_CUTOFFS = (0.9, 0.7, 0.5, 0.3, 0.15)
@@ -76,7 +76,7 @@ class StaleSetsDrafter:
 class SetsDrafter:
     """SPOT-Sets: the order-model architecture read as per-position join probabilities (sigmoid)."""
 
-    model: OrderModel
+    model: OrderModel | FrozenOrderModel
     budget: int = 16
     depth: int = 8
     cutoffs: tuple[float, ...] = DEFAULT_CUTOFFS
@@ -90,7 +90,7 @@ class SetsDrafter:
         def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
             coupled = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(0)  # [B, L]
             features = view.features(states, coupled)  # [B, L, F]
-            return torch.sigmoid(self.model(features.to(next(self.model.parameters()).device))).to(states.device)
+            return torch.sigmoid(self.model(features.to(self.model.device))).to(states.device)
 
         children = sets_children(join_probs, self.cutoffs, self.budget - 1, context.mask_id)
         return grow_tree(context, self.budget, self.depth, guesses=guesses, children=children)
