@@ -32,7 +32,7 @@ from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.train.collect import SHARD_ARRAYS, CollectConfig, collect, collection_prompts, load_shards
-from spot_dlm.train.drafter import Examples, batch_tensors, train_drafter
+from spot_dlm.train.drafter import Examples, batch_tensors, train_drafter, warm_start
 from spot_dlm.tree import DraftTree
 
 torch.set_num_threads(1)
@@ -572,6 +572,14 @@ def test_order_features_layout() -> None:
     assert with_rule.shape == (4, config.n_features) == (4, 37)
     assert torch.equal(with_rule[:, :35], features)
     assert with_rule[:, 35].tolist() == [0.800000011920929] * 4 and with_rule[:, 36].tolist() == [1.5] * 4
+    names = config.feature_names  # the names warm starts map columns by
+    assert (names[0], names[31], names[34], names.index("tau"), names.index("temperature")) == (
+        "top1",
+        "top32",
+        "coupled_confidence",
+        35,
+        36,
+    )
     assert OrderModelConfig(temperature_feature=True).extra_inputs(tau=0.8, temperature=0.0) == [0.0]
 
 
@@ -839,10 +847,33 @@ def test_train_drafter_continues_from_a_trained_drafter(standard_shards, tmp_pat
     train_drafter(config.out_dir, still, minutes=0.02, max_depth=DEPTH, lr=0.0, init=first)
     before, after = load_order_model(first).state_dict(), load_order_model(still).state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)
-    with pytest.raises(ValueError, match="config"):
+    with pytest.raises(ValueError, match="config"):  # it reads fewer inputs than the model it starts from
         train_drafter(
-            config.out_dir, tmp_path / "x", minutes=0.02, max_depth=DEPTH, temperature_feature=True, init=first
+            config.out_dir, tmp_path / "x", minutes=0.02, max_depth=DEPTH, init=widened_folder(first, tmp_path)
         )
+
+
+def widened_folder(folder: Path, tmp_path: Path) -> Path:
+    """A drafter with the temperature input, started from ``folder``'s drafter (which lacks it)."""
+    trained = load_order_model(folder)
+    wide = warm_start(folder, dataclasses.replace(trained.config, temperature_feature=True))
+    save_order_model(wide, tmp_path / "wide")
+    return tmp_path / "wide"
+
+
+def test_warm_start_with_a_new_input_starts_from_the_same_function(saved_order_model, tmp_path: Path) -> None:
+    """The new input's weights start at zero: logits equal the old model's whatever the new column holds."""
+    model, folder = saved_order_model
+    wide = load_order_model(widened_folder(folder, tmp_path))
+    assert wide.config.feature_names == (*model.config.feature_names, "temperature")
+    features = torch.rand(3, 10, model.config.n_features)
+    column = wide.config.feature_names.index("temperature")
+    for temperature in (0.0, 1.0, 1.5):
+        wider = torch.cat([features[..., :column], torch.full((3, 10, 1), temperature), features[..., column:]], -1)
+        with torch.no_grad():
+            assert torch.allclose(wide(wider), model(features), atol=1e-6)
+    with pytest.raises(ValueError, match="config"):  # other sizes are never widened
+        warm_start(folder, dataclasses.replace(model.config, d_model=64, temperature_feature=True))
 
 
 def test_train_drafter_with_temperature_and_previous_features(standard_shards, tmp_path: Path) -> None:

@@ -427,7 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="give the model each position's top-1 probability one commit earlier (the confidence trend)",
     )
-    tdr.add_argument("--init", default=None, help="continue from a trained drafter folder (or builtin)")
+    tdr.add_argument(
+        "--init",
+        default=None,
+        help="continue from a trained drafter folder (or builtin); it may lack an input asked for here (zero weights)",
+    )
     tdr.set_defaults(func=_train_drafter)
     return parser
 

@@ -48,9 +48,17 @@ class OrderModelConfig:
             raise ValueError(f"drafter d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
 
     @property
+    def feature_names(self) -> tuple[str, ...]:
+        """The input columns in order (``order_features`` builds them in this order)."""
+        names = [f"top{i + 1}" for i in range(self.top_k)] + ["stale_masked", "branch_committed", "coupled_confidence"]
+        names += [
+            name for on, name in ((self.threshold_feature, "tau"), (self.temperature_feature, "temperature")) if on
+        ]
+        return tuple(names + (["previous_top1", "has_previous"] if self.previous_feature else []))
+
+    @property
     def n_features(self) -> int:
-        rule = int(self.threshold_feature) + int(self.temperature_feature)
-        return self.top_k + N_FLAG_FEATURES + rule + 2 * int(self.previous_feature)
+        return len(self.feature_names)
 
     def extra_inputs(self, tau, temperature, previous_top1=None, has_previous=None) -> list:
         """The inputs beyond the base features that this model reads, in feature order.

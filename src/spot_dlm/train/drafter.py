@@ -7,7 +7,7 @@ An example is (stale features of ``s_i``, commits of steps ``i .. i+d-1`` marked
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -143,11 +143,25 @@ def naive_accuracy(data, cum, ex: Examples, max_depth: int) -> dict[int, float]:
 
 
 def warm_start(folder: Path, config: OrderModelConfig) -> OrderModel:
-    """A trained drafter to continue from; its config must be the one asked for."""
-    model = load_order_model(folder).train()
-    if model.config != config:
-        raise ValueError(f"drafter in {folder} has config {model.config}, training asks for {config}")
-    return model
+    """A trained drafter to continue from. Its config must be the one asked for, except that ``config`` may read
+    more inputs (e.g. the temperature): their input weights start at zero, so training starts from the same function.
+    """
+    trained = load_order_model(folder).train()
+    if trained.config == config:
+        return trained
+    old, new = trained.config.feature_names, config.feature_names
+    if replace(trained.config, **_feature_flags(config)) != config or not set(old) <= set(new):
+        raise ValueError(f"drafter in {folder} has config {trained.config}, training asks for {config}")
+    weights = trained.state_dict()
+    widened = torch.zeros(config.d_model, len(new))
+    widened[:, [new.index(name) for name in old]] = weights["input.weight"]  # [d, F_new]: new columns zero
+    model = OrderModel(config)
+    model.load_state_dict({**weights, "input.weight": widened})
+    return model.train()
+
+
+def _feature_flags(config: OrderModelConfig) -> dict[str, bool]:
+    return {name: getattr(config, name) for name in ("threshold_feature", "temperature_feature", "previous_feature")}
 
 
 def train_drafter(
@@ -166,7 +180,7 @@ def train_drafter(
 ) -> dict:
     """Train the order model (or the sets model) on trajectory shards for ``minutes``; save it with held-out metrics.
 
-    ``init`` starts from a trained drafter folder (e.g. the previous target's), whose feature flags must match.
+    ``init`` starts from a trained drafter folder (e.g. the previous target's) with the same inputs or fewer.
     """
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
