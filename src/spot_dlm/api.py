@@ -27,7 +27,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
     return SpotDrafter(
-        freeze_order_model(load_order_model(folder)),
+        freeze_order_model(load_order_model(folder).to(target_device(target))),
         budget=config.budget,
         depth=config.depth,
         alternatives=config.alternatives,
@@ -63,7 +63,8 @@ def _sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.sets import SetsDrafter
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir().parent / "sets_drafter"
-    return SetsDrafter(freeze_order_model(load_order_model(folder)), budget=config.budget, depth=config.depth)
+    model = freeze_order_model(load_order_model(folder).to(target_device(target)))
+    return SetsDrafter(model, budget=config.budget, depth=config.depth)
 
 
 def _stale_sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
@@ -94,6 +95,30 @@ DRAFTER_FACTORIES: dict[str, Callable[[GenerateConfig, Target], Drafter]] = {
     "spot-sets-dynamic": _sets_drafter,
     "stale-sets": _stale_sets_drafter,
 }
+
+
+def target_device(target: Target) -> torch.device:
+    """Where a target's weights live (drafters run beside them); targets without a device run on the CPU."""
+    return getattr(target, "device", torch.device("cpu"))
+
+
+def resolve_device(name: str | torch.device = "cpu") -> torch.device:
+    """'cpu', 'cuda', 'cuda:N' or 'auto' (CUDA when available) -> a device that exists here, else ValueError."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"unknown device {str(name)!r}; use cpu, cuda, cuda:N or auto") from err
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"unsupported device {str(name)!r}; use cpu, cuda, cuda:N or auto")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {str(name)!r} asked for, but this torch ({torch.__version__}) sees no CUDA device")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(name)!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return device
 
 
 def default_drafter_dir() -> Path:
@@ -183,21 +208,24 @@ def load_target(
     scoring: str = "batched",
     dtype: torch.dtype = torch.float32,
     hf_options: dict | None = None,
+    device: str | torch.device = "cpu",
 ):
     """``None`` or ``"builtin"``: the shipped model; a folder of the built-in architecture; or a ``transformers``
     checkpoint folder (config.json with a ``model_type``; see ``models/hf.py``), which always scores packed;
-    ``hf_options`` go to ``load_hf_target`` (shifted_logits, mask_id, trust_remote_code)."""
+    ``hf_options`` go to ``load_hf_target`` (shifted_logits, mask_id, trust_remote_code). ``device``: cpu, cuda,
+    cuda:N or auto; drafters made for the target run on the same device."""
     from spot_dlm.models.builtin import builtin_dir, load_builtin_target
     from spot_dlm.models.hf import is_hf_checkpoint, load_hf_target
 
+    device = resolve_device(device)
     if name is None or str(name) == "builtin":
-        return load_builtin_target(builtin_dir(), scoring=scoring, dtype=dtype)
+        return load_builtin_target(builtin_dir(), scoring=scoring, dtype=dtype, device=device)
     path = Path(name)
     if not path.exists():
         raise ValueError(f"unknown model {str(name)!r}: not 'builtin' and no checkpoint folder at {path}")
     if is_hf_checkpoint(path):
-        return load_hf_target(path, dtype=dtype, **(hf_options or {}))
-    return load_builtin_target(path, scoring=scoring, dtype=dtype)
+        return load_hf_target(path, dtype=dtype, device=device, **(hf_options or {}))
+    return load_builtin_target(path, scoring=scoring, dtype=dtype, device=device)
 
 
 def make_drafter(config: GenerateConfig, target: Target) -> Drafter:

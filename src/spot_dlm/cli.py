@@ -22,6 +22,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="transformers models: run the folder's own modeling code"
     )
+    _add_device_option(parser)
+
+
+def _add_device_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto (CUDA when available)")
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +43,7 @@ def _load_model(args: argparse.Namespace):
         "mask_id": args.mask_id,
         "trust_remote_code": args.trust_remote_code,
     }
-    return load_target(args.model, hf_options=hf_options)
+    return load_target(args.model, hf_options=hf_options, device=args.device)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -100,6 +105,7 @@ def _demo(args: argparse.Namespace) -> int:
         args.temperature,
         args.seed,
         None if args.no_plot else Path(args.plot),
+        device=args.device,
     )
     return 0
 
@@ -178,6 +184,7 @@ def _bench(args: argparse.Namespace) -> int:
         taus=args.taus,
         model=args.model,
         drafter=args.drafter,
+        device=args.device,
     )
     report = run_bench(bench)
     report["reproduce"] = reproduce_command(bench)
@@ -207,6 +214,38 @@ def _bench_merge(args: argparse.Namespace) -> int:
     if args.plots:
         for path in plot_report(report, Path(args.plots)):
             print(f"plot: {path}")
+    return 0
+
+
+def _verify_cost(args: argparse.Namespace) -> int:
+    from spot_dlm.bench.run import write_report
+    from spot_dlm.bench.verify_cost import (
+        VerifyCostConfig,
+        format_verify_table,
+        measure_verify_cost,
+        plot_verify_cost,
+    )
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config = VerifyCostConfig(
+        shapes=args.shapes,
+        nodes=args.nodes,
+        prefix_length=args.prefix_length,
+        block_length=args.block_length,
+        repeats=args.repeats,
+        device=args.device,
+        dtype=args.dtype,
+        scoring=args.scoring,
+    )
+    report = measure_verify_cost(config)
+    print(f"# {report['machine']}")
+    print(format_verify_table(report))
+    write_report(report, Path(args.json) if args.json else None)
+    if args.plot:
+        print(f"plot: {plot_verify_cost(report, Path(args.plot))}")
     return 0
 
 
@@ -362,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="compare methods side by side (same prompts, same noise, one process)")
     bench.add_argument("--model", default=None)
     bench.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    _add_device_option(bench)
     bench.add_argument(
         "--methods", type=_csv(str), default=("standard", "spot", "stale", "chain", "calibrated", "oracle")
     )
@@ -384,6 +424,20 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--json", default=None)
     merge.add_argument("--plots", default=None)
     merge.set_defaults(func=_bench_merge)
+
+    vc = sub.add_parser("verify-cost", help="time one verification pass over K draft nodes against one node")
+    vc.add_argument("--shapes", type=_csv(str), default=("builtin",), help="builtin and/or dD-lN-hH-vV[-mM] shapes")
+    vc.add_argument("--nodes", type=_csv(int), default=(1, 2, 4, 8, 16, 32))
+    vc.add_argument("--prefix-length", type=int, default=256)
+    vc.add_argument("--block-length", type=int, default=32)
+    vc.add_argument("--repeats", type=int, default=10)
+    vc.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    vc.add_argument("--scoring", default="batched", help="batched or packed")
+    vc.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    vc.add_argument("--json", default=None)
+    vc.add_argument("--plot", default=None, help="write a PNG of the cost curve here")
+    _add_device_option(vc)
+    vc.set_defaults(func=_verify_cost)
 
     col = sub.add_parser("collect", help="log standard-decoding trajectories on training prompts")
     _add_model_options(col)

@@ -65,13 +65,14 @@ def run_demo(
     temperature: float,
     seed: int,
     plot_path: Path | None,
+    device: str = "cpu",
 ) -> None:
     folder = Path(model) if model not in (None, "builtin") else _builtin_folder()
     if not (folder / "model.safetensors").is_file() and model in (None, "builtin"):
         target, codec = _random_builtin(folder)
         print("NOTE: no trained built-in checkpoint is shipped yet: this demo runs a RANDOMLY INITIALISED model.")
     else:
-        target, codec = load_target(model)
+        target, codec = load_target(model, device=device)
     state = load_training_state(folder)
     if not state:
         print("NOTE: this checkpoint carries no training record; outputs may come from an untrained model.")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from spot_dlm.api import GenerateConfig, Generation, encode_prompt, generate, make_drafter
+from spot_dlm.api import GenerateConfig, Generation, encode_prompt, generate, make_drafter, target_device
 from spot_dlm.decode import Drafter, RawGeneration
 from spot_dlm.drafters.simple import OracleDrafter
 
@@ -48,6 +48,7 @@ class BenchConfig:
     taus: tuple[float, ...] = (0.9,)
     model: str | None = None
     drafter: str | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -252,7 +253,7 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
     from spot_dlm.api import load_target
 
     if target is None:
-        target, codec = load_target(bench.model)
+        target, codec = load_target(bench.model, device=bench.device)
     rows = []
     for task in bench.tasks:
         items = task_items(task, bench.n_prompts)
@@ -275,7 +276,7 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
                 )
     return {
         "config": asdict(bench),
-        "machine": machine_description(),
+        "machine": machine_description(target_device(target)),
         "torch_threads": torch.get_num_threads(),
         "results": rows,
     }
@@ -329,15 +330,15 @@ def _row(task, method, budget, temperature, tau, gens, items, reference, baselin
     return row
 
 
-def machine_description() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        import os
+def machine_description(device: torch.device | None = None) -> str:
+    """The CPU, its cores and torch; and where decoding ran (the GPU's name when it ran on one)."""
+    import os
 
-        cores = os.cpu_count()
-    except Exception:  # pragma: no cover
-        cores = None
-    return f"{platform.system()} {cpu}, {cores} CPU cores, torch {torch.__version__}, no GPU"
+    cpu = platform.processor() or platform.machine()
+    text = f"{platform.system()} {cpu}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    if device is not None and device.type == "cuda":
+        return f"{text}, decoding on {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    return f"{text}, decoding on the CPU"
 
 
 def format_table(report: dict) -> str:
@@ -410,6 +411,8 @@ def reproduce_command(bench: BenchConfig) -> str:
         parts.append(f"--model {shlex.quote(str(bench.model))}")
     if bench.drafter is not None:
         parts.append(f"--drafter {shlex.quote(str(bench.drafter))}")
+    if bench.device != "cpu":
+        parts.append(f"--device {bench.device}")
     return " ".join(parts) + f"  (at {time.strftime('%Y-%m-%d')})"
 
 

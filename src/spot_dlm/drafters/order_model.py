@@ -214,7 +214,7 @@ def order_features(
     flags = torch.stack([stale_masked.float(), branch_committed.float(), coupled], dim=-1)  # [..., L, 3]
     columns = [top_probs.float(), flags]
     for value in extra_inputs:
-        value = torch.as_tensor(value, dtype=torch.float32)
+        value = torch.as_tensor(value, dtype=torch.float32, device=flags.device)
         if value.dim() == flags.dim() - 1:  # per position [..., L]
             value = value[..., None]
         else:  # scalar or per example [...]

@@ -58,7 +58,8 @@ class RandomDrafter:
             swap = torch.rand(proposal.tokens.shape, generator=generator) < self.token_noise
             random_tokens = torch.randint(0, vocab, proposal.tokens.shape, generator=generator)
             random_tokens = random_tokens.masked_fill(random_tokens == context.mask_id, 0)
-            proposal.tokens.copy_(torch.where(swap, random_tokens.to(proposal.tokens.device), proposal.tokens))
+            device = proposal.tokens.device
+            proposal.tokens.copy_(torch.where(swap.to(device), random_tokens.to(device), proposal.tokens))
 
         def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
             scores = torch.randn(states.shape, generator=generator).to(states.device)

@@ -128,7 +128,10 @@ def builtin_dir() -> Path:
 
 
 def load_builtin_target(
-    path: Path | None = None, scoring: str = "batched", dtype: torch.dtype = torch.float32, device: str = "cpu"
+    path: Path | None = None,
+    scoring: str = "batched",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> tuple[BuiltinTarget, object]:
     """Load a built-in-architecture checkpoint folder (default: the shipped one) and its tokenizer."""
     from spot_dlm.models.tokenizer import TextCodec

@@ -196,7 +196,7 @@ def _first_id(value) -> int | None:
 def load_hf_target(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     shifted_logits: bool = False,
     mask_id: int | None = None,
     trust_remote_code: bool = False,
