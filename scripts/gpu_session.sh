@@ -11,6 +11,8 @@ TOTAL_SECONDS=${TOTAL_SECONDS:-540}
 DEVICE=${DEVICE:-cuda}
 LARGE_SHAPES=${LARGE_SHAPES:-d1024-l24-h16-v32768,d2048-l24-h16-v65536,d4096-l36-h32-v151936-m3}
 MAX_PROMPTS=${MAX_PROMPTS:-50}
+BUDGETS=${BUDGETS:-2,4,8,16,32}
+VERIFY_COST=${VERIFY_COST:-1}  # 0 skips the verification-cost curves
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 START=$(date +%s)
@@ -31,14 +33,16 @@ echo "== start at $(elapsed)s" | tee -a "$LOG"
 
 stage pytest_gpu 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_devices.py tests/test_builtin_target.py
 
-stage verify_cost_builtin 60 python3 -m spot_dlm verify-cost --device $DEVICE --shapes builtin \
-    --nodes 1,2,4,8,16,32,64 --repeats 20 --json "$OUT/verify_cost_builtin.json"
-stage verify_cost_large 120 python3 -m spot_dlm verify-cost --device $DEVICE --dtype bfloat16 \
-    --shapes "$LARGE_SHAPES" \
-    --nodes 1,2,4,8,16,32,64 --repeats 10 --json "$OUT/verify_cost_large.json"
+if [ "$VERIFY_COST" = 1 ]; then
+    stage verify_cost_builtin 60 python3 -m spot_dlm verify-cost --device $DEVICE --shapes builtin \
+        --nodes 1,2,4,8,16,32,64 --repeats 20 --json "$OUT/verify_cost_builtin.json"
+    stage verify_cost_large 120 python3 -m spot_dlm verify-cost --device $DEVICE --dtype bfloat16 \
+        --shapes "$LARGE_SHAPES" \
+        --nodes 1,2,4,8,16,32,64 --repeats 10 --json "$OUT/verify_cost_large.json"
+fi
 
 # Calibrate: 2 prompts of the full grid, then as many prompts (<= 50) as fit in the time left.
-BENCH=(python3 -m spot_dlm bench --device $DEVICE --methods standard,spot --budgets 2,4,8,16,32 --temperatures 0,1
+BENCH=(python3 -m spot_dlm bench --device $DEVICE --methods standard,spot --budgets "$BUDGETS" --temperatures 0,1
        --task gsm8k)
 T0=$(date +%s)
 stage bench_calibration 120 "${BENCH[@]}" --n-prompts 2

@@ -59,10 +59,11 @@ class TreeBuilder:
             return None
         return self._append(state, parent, step_index)
 
-    def build(self) -> DraftTree:
-        return DraftTree(
-            states=torch.stack(self.states), parents=tuple(self.parents), steps=tuple(self.steps), index=self.index
-        )
+    def build(self, device: torch.device | None = None) -> DraftTree:
+        """The tree, its states stacked on ``device`` (default: where they are)."""
+        states = torch.stack(self.states)  # [N, L]
+        states = states if device is None else states.to(device)
+        return DraftTree(states=states, parents=tuple(self.parents), steps=tuple(self.steps), index=self.index)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def one_commit_children(
     """
 
     def children(states: torch.Tensor, steps: list[int]) -> list[list[Child]]:
-        scores = scorer(states, steps)  # [B, L]
+        scores = scorer(states, steps).cpu()  # [B, L]; ranked on the host (many tiny ops)
         rows = []
         for row, step_index in zip(scores, steps):
             n_children = min(int(torch.isfinite(row).sum()), keep)
@@ -138,19 +138,32 @@ def grow_tree(
     coupled tokens; a node's score is its path log-probability. The proposer runs once per depth on the (at most
     budget - 1) best nodes of that depth, batched; the tree keeps the budget - 1 best candidates overall (parents
     always score at least as high as their children).
+
+    Candidate states live on the host: growing a tree is many tiny edits, each a kernel launch and a sync on a GPU.
+    The proposer gets each level's states on the context's device (one copy per level) and the finished tree's
+    states go back there in one copy.
     """
     guesses = guesses if guesses is not None else StaleGuesses(context)
     if children is None:
         children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
+    device = context.root.device
+    host_tokens: dict[tuple[int, int], torch.Tensor] = {}  # (step, rank) -> coupled guesses int64 [L] on the host
+
+    def tokens_on_host(step_index: int, rank: int) -> torch.Tensor:
+        if (step_index, rank) not in host_tokens:
+            host_tokens[(step_index, rank)] = guesses.tokens(step_index, rank).cpu()
+        return host_tokens[(step_index, rank)]
+
     min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
-    candidates = [_Candidate(context.root, context.root_step, 0.0, -1, 0)]
+    root = context.root.cpu()
+    candidates = [_Candidate(root, context.root_step, 0.0, -1, 0)]
     best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
     level = [0]
     keep = budget - 1
     for _ in range(max_depth):
         if not level or keep == 0:
             break
-        states = torch.stack([candidates[i].state for i in level])  # [B, L]
+        states = torch.stack([candidates[i].state for i in level]).to(device)  # [B, L]
         proposals = children(states, [candidates[i].step for i in level])
         next_level = []
         for index, options in zip(level, proposals):
@@ -158,20 +171,20 @@ def grow_tree(
             for value, positions, rank in options:
                 if parent.logprob + value < min_logprob:
                     continue
-                tokens = guesses.tokens(parent.step, rank)
+                tokens = tokens_on_host(parent.step, rank)
                 child = parent.state.clone()
-                where = torch.tensor(positions, device=child.device)
+                where = list(positions)
                 child[where] = tokens[where]
                 candidates.append(_Candidate(child, parent.step + 1, parent.logprob + value, index, parent.depth + 1))
                 next_level.append(len(candidates) - 1)
-                state_key = child.cpu().numpy().tobytes()
+                state_key = child.numpy().tobytes()
                 best_per_state[state_key] = max(best_per_state.get(state_key, float("-inf")), candidates[-1].logprob)
         bar = _admission_bar(best_per_state, keep)
         level = [
             i for i in sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep] if candidates[i].logprob > bar
         ]
     order = sorted(range(1, len(candidates)), key=lambda i: (-candidates[i].logprob, candidates[i].depth))
-    builder = TreeBuilder(root=context.root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
+    builder = TreeBuilder(root=root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
     node_of = {0: 0}
     for index in order:
         if builder.full:
@@ -183,7 +196,7 @@ def grow_tree(
         node = builder.add(parent_node, cand.state)
         if node is not None:
             node_of[index] = node
-    return builder.build()
+    return builder.build(device)
 
 
 def _admission_bar(best_per_state: dict[bytes, float], keep: int) -> float:

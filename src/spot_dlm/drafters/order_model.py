@@ -358,17 +358,19 @@ class SpotDrafter:
             return None
 
         def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
-            level = int((stale_masked & (states[0] != context.mask_id)).sum()) - 1  # commits after the root
             rows = [None] * states.shape[0]
-            if self.refresh_every > 1 and level % self.refresh_every:
-                rows = [inherited(state) for state in states]
+            if self.refresh_every > 1:
+                level = int((stale_masked & (states[0] != context.mask_id)).sum()) - 1  # commits after the root
+                if level % self.refresh_every:
+                    rows = [inherited(state) for state in states]
             coupled = coupled_confidence(steps)  # [B, L]
             missing = [i for i, row in enumerate(rows) if row is None]
             if missing:
                 fresh = model_logits(states[missing], coupled[missing])
                 for i, logits in zip(missing, fresh):
                     rows[i] = logits
-                    memo[states[i].cpu().numpy().tobytes()] = logits
+                    if self.refresh_every > 1:  # only levels that skip the model read the memo
+                        memo[states[i].cpu().numpy().tobytes()] = logits
             logits = torch.stack(rows).to(torch.float64)  # [B, L]
             if self.confidence_prior:
                 logits = logits + self.confidence_prior * coupled.clamp_min(1e-12).log()

@@ -45,8 +45,8 @@ def sets_children(join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: in
     """ChildProposer from a function (states [B, L], steps) -> join probabilities [B, L]."""
 
     def children(states: torch.Tensor, steps: list[int]):
-        probs = join_probs(states, steps)
-        allowed = states == mask_id
+        probs = join_probs(states, steps).cpu()  # [B, L]; sets are cut on the host (many tiny ops)
+        allowed = states.cpu() == mask_id
         return [candidate_sets(p, a, cutoffs, keep) for p, a in zip(probs, allowed)]
 
     return children
