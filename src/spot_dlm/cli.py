@@ -143,6 +143,11 @@ def _train_target(args: argparse.Namespace) -> int:
         threads=args.threads,
         snapshot_minutes=args.snapshot_minutes,
         init_from=_init_folder(args.init),
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        device=args.device,
+        bf16=args.bf16,
     )
     print(train_target(config))
     return 0
@@ -394,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=16)
     train.add_argument("--threads", type=int, default=2)
     train.add_argument("--snapshot-minutes", type=float, default=10.0)
+    train.add_argument("--d-model", type=int, default=256, help="width of a new model (ignored when resuming)")
+    train.add_argument("--n-layers", type=int, default=6, help="layers of a new model (ignored when resuming)")
+    train.add_argument("--n-heads", type=int, default=4, help="heads of a new model (ignored when resuming)")
+    train.add_argument("--bf16", action="store_true", help="bfloat16 autocast (on a GPU)")
+    _add_device_option(train)
     train.add_argument(
         "--init", default=None, help="'builtin' or a checkpoint folder to resume from if --out is empty"
     )

@@ -46,6 +46,8 @@ class TrainConfig:
     n_layers: int = 6
     n_heads: int = 4
     init_from: Path | None = None  # a checkpoint folder to start from when out_dir holds none (e.g. the shipped one)
+    device: str = "cpu"  # cpu, cuda, cuda:N or auto
+    bf16: bool = False  # bfloat16 autocast for the forward and loss (weights and optimizer stay float32)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -83,14 +85,20 @@ def fixed_eval_batches(tokens: np.ndarray, config: TrainConfig) -> list[torch.Te
     ]
 
 
+def model_device(model: BlockDiffusionLM) -> torch.device:
+    return model.embed.weight.device
+
+
 @torch.no_grad()
 def heldout_loss(model: BlockDiffusionLM, batches: list[torch.Tensor], phase: str) -> float:
-    """Mean held-out loss per predicted token (AR NLL, or block-diffusion masked CE at block 16, fixed masks)."""
+    """Mean held-out loss per predicted token (AR NLL, or block-diffusion masked CE at block 16, fixed masks).
+    Always in float32, so runs with and without bf16 autocast are compared on the same footing."""
     model.eval()
-    generator = torch.Generator().manual_seed(777)
+    device = model_device(model)
+    generator = torch.Generator(device=device).manual_seed(777)
     total, count = 0.0, 0
     for batch in batches:
-        out = phase_loss(model, batch, phase, 16, generator)
+        out = phase_loss(model, batch.to(device), phase, 16, generator)
         total += float(out.loss) * out.n_tokens
         count += out.n_tokens
     model.train()
@@ -111,9 +119,11 @@ def initial_model(config: TrainConfig, vocab_size: int) -> tuple[BlockDiffusionL
 
 def train_target(config: TrainConfig) -> Path:
     """Run one resumable training phase for ``config.minutes`` minutes; returns the checkpoint folder."""
+    from spot_dlm.api import resolve_device
     from spot_dlm.models.tokenizer import TextCodec
     from spot_dlm.train.data import pack_batches
 
+    device = resolve_device(config.device)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     corpus = Path(config.corpus_dir)
@@ -124,6 +134,7 @@ def train_target(config: TrainConfig) -> Path:
     shutil.copy(corpus / TOKENIZER_FILE, config.out_dir / TOKENIZER_FILE)
 
     model, state = initial_model(config, codec.vocab_size)
+    model = model.to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -133,7 +144,7 @@ def train_target(config: TrainConfig) -> Path:
     )
     run_seed = config.seed + int(state.get("runs", 0))
     batches = pack_batches(train_tokens, config.seq_len, config.batch_size, np.random.default_rng(run_seed))
-    generator = torch.Generator().manual_seed(run_seed)
+    generator = torch.Generator(device=device).manual_seed(run_seed)
     tokens_seen = dict(state.get("tokens_seen", {"ar": 0, "bd": 0}))
     seconds = dict(state.get("seconds", {"ar": 0.0, "bd": 0.0}))
     log_path = config.out_dir / "train_log.jsonl"
@@ -170,10 +181,11 @@ def train_target(config: TrainConfig) -> Path:
         while (elapsed := time.time() - start) < budget:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(config, step, elapsed)
-            batch = torch.from_numpy(next(batches))
+            batch = torch.from_numpy(next(batches)).to(device)
             block_length = config.block_lengths[step % len(config.block_lengths)]
             tick = time.time()
-            out = phase_loss(model, batch, config.phase, block_length, generator)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
+                out = phase_loss(model, batch, config.phase, block_length, generator)
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -181,7 +193,7 @@ def train_target(config: TrainConfig) -> Path:
             step += 1
             tokens_seen[config.phase] += batch.numel()
             seconds[config.phase] += time.time() - tick
-            value = float(out.loss)
+            value = float(out.loss.detach())
             loss_ema = value if math.isnan(loss_ema) else 0.98 * loss_ema + 0.02 * value
             bar.update(int(time.time() - start) - bar.n)
             bar.set_postfix(loss=f"{loss_ema:.3f}", step=step, lr=f"{optimizer.param_groups[0]['lr']:.1e}")
