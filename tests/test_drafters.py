@@ -165,7 +165,7 @@ def test_admission_bar_prunes_calls_not_the_tree(monkeypatch, temperature, seed,
     context = make_context(temperature, seed=seed)
     pruned_scorer, full_scorer = state_scorer(seed), state_scorer(seed)
     pruned = grow_tree(context, budget, depth, pruned_scorer)
-    monkeypatch.setattr(base, "_admission_bar", lambda best_per_state, keep: float("-inf"))
+    monkeypatch.setattr(base, "_admission_bar", lambda best_per_state, top, keep: (float("-inf"), top))
     full = grow_tree(context, budget, depth, full_scorer)
     assert torch.equal(pruned.states, full.states)
     assert pruned.parents == full.parents

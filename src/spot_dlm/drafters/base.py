@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
@@ -70,10 +71,65 @@ class StaleGuesses:
 # next, float [B, L]; -inf where a position may not commit (not masked in the node)
 PositionScorer = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
-# (node states int64 [B, L], rule-step indices) -> per node, its candidate children as
-# (log-probability, positions committed together, token rank: 0 = the best coupled guess, 1 = the runner-up, ...)
+# one candidate child: (log-probability, positions committed together, token rank: 0 = the best coupled guess, ...)
 Child = tuple[float, tuple[int, ...], int]
-ChildProposer = Callable[[torch.Tensor, list[int]], list[list[Child]]]
+
+
+@dataclass(frozen=True)
+class Children:
+    """The candidate children of a batch of B nodes, C in all, on the host: grouped by node, each node's children
+    in proposal order (that order breaks ties between equally likely children)."""
+
+    node: torch.Tensor  # int64 [C], non-decreasing: the row of the child's parent in the batch
+    logprob: torch.Tensor  # float64 [C]: log-probability of the edge
+    commits: torch.Tensor  # bool [C, L]: the positions committed together
+    rank: torch.Tensor  # int64 [C]: token rank, 0 = the best coupled guess, 1 = the runner-up, ...
+
+    @staticmethod
+    def of_rows(rows: list[list[Child]], length: int) -> Children:
+        """From per-node lists of children (node b's list is ``rows[b]``); ``length`` is L."""
+        flat = [(b, *child) for b, options in enumerate(rows) for child in options]
+        commits = torch.zeros(len(flat), length, dtype=torch.bool)
+        for c, (_, _, positions, _) in enumerate(flat):
+            commits[c, list(positions)] = True
+        return Children(
+            node=torch.tensor([f[0] for f in flat], dtype=torch.int64),
+            logprob=torch.tensor([f[1] for f in flat], dtype=torch.float64),
+            commits=commits,
+            rank=torch.tensor([f[3] for f in flat], dtype=torch.int64),
+        )
+
+    def select(self, chosen: torch.Tensor) -> Children:
+        """The children where ``chosen`` (bool [C]) holds, in order."""
+        return Children(self.node[chosen], self.logprob[chosen], self.commits[chosen], self.rank[chosen])
+
+
+# (node states int64 [B, L], rule-step indices) -> the candidate children of every node
+ChildProposer = Callable[[torch.Tensor, list[int]], Children]
+
+
+def top_positions(scores: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The min(keep, #finite) best positions of every row, rows in order, each row best first.
+
+    scores float [B, L] -> (row int64 [C], score [C], position int64 [C]). Rows with the same count share one
+    ``topk`` call, which orders each row (ties included) exactly as ``row.topk(count)`` does.
+    """
+    counts = torch.isfinite(scores).sum(-1).clamp(max=keep)  # [B]
+    rows, values, positions = (
+        [torch.zeros(0, dtype=torch.int64)],
+        [scores.new_zeros(0)],
+        [torch.zeros(0, dtype=torch.int64)],
+    )
+    for count in counts.unique().tolist():
+        if count == 0:
+            continue
+        group = torch.nonzero(counts == count).flatten()  # [b]
+        top = scores[group].topk(count, dim=-1)  # [b, count]
+        rows.append(group.repeat_interleave(count))
+        values.append(top.values.flatten())
+        positions.append(top.indices.flatten())
+    row, order = torch.sort(torch.cat(rows), stable=True)  # back to row order, each row's order kept
+    return row, torch.cat(values)[order], torch.cat(positions)[order]
 
 
 def one_commit_children(
@@ -85,38 +141,64 @@ def one_commit_children(
     ``log q(position) + log p_stale(token)``; with 1, children carry the best guess and the position score only.
     """
 
-    def children(states: torch.Tensor, steps: list[int]) -> list[list[Child]]:
-        scores = scorer(states, steps).cpu()  # [B, L]; ranked on the host (many tiny ops)
-        rows = []
-        for row, step_index in zip(scores, steps):
-            n_children = min(int(torch.isfinite(row).sum()), keep)
-            if n_children == 0:
-                rows.append([])
-                continue
-            values, positions = row.topk(n_children)
-            if alternatives == 1:
-                rows.append([(v, (p,), 0) for v, p in zip(values.tolist(), positions.tolist())])
-                continue
-            token_logprob = guesses.ranked(step_index, alternatives)[1][:, positions].tolist()  # [A, n]
-            rows.append(
-                [
-                    (v + token_logprob[rank][i], (p,), rank)
-                    for i, (v, p) in enumerate(zip(values.tolist(), positions.tolist()))
-                    for rank in range(alternatives)
-                ]
-            )
-        return rows
+    def children(states: torch.Tensor, steps: list[int]) -> Children:
+        scores = scorer(states, steps).cpu()  # [B, L]; ranked on the host
+        node, values, positions = top_positions(scores, keep)  # [C] each
+        values, rank = values.to(torch.float64), torch.zeros_like(node)
+        if alternatives > 1:
+            table = {s: guesses.ranked(s, alternatives)[1].cpu() for s in set(steps)}  # step -> float64 [A, L]
+            token_logprob = torch.stack([table[s] for s in steps])[node, :, positions]  # [C, A]
+            values = (values[:, None] + token_logprob).flatten()  # [C * A]: each position's ranks in turn
+            node, positions = node.repeat_interleave(alternatives), positions.repeat_interleave(alternatives)
+            rank = torch.arange(alternatives).repeat(token_logprob.shape[0])
+        commits = torch.nn.functional.one_hot(positions, states.shape[-1]).bool()  # [C, L]
+        return Children(node, values, commits, rank)
 
     return children
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    state: torch.Tensor  # int64 [L]
-    step: int  # rule-step index applied to this state
-    logprob: float  # path log-probability from the root
-    parent: int  # candidate index of the parent (-1 for the root)
-    depth: int
+@dataclass
+class _Candidates:
+    """Every candidate node grown so far, in creation order (index 0: the root), on the host."""
+
+    states: list[torch.Tensor]  # per level int64 [C_d, L]
+    logprob: list[np.ndarray]  # per level float64 [C_d]: path log-probability from the root
+    parent: list[np.ndarray]  # per level int64 [C_d]: candidate index of the parent
+
+    @property
+    def count(self) -> int:
+        return sum(len(lp) for lp in self.logprob)
+
+
+def _admission_bar(best_per_state: dict[bytes, float], top: list[bytes], keep: int) -> tuple[float, list[bytes]]:
+    """Path log-probability of the keep-th best distinct state so far (-inf while fewer exist), and the keys of the
+    keep best states. ``top`` holds the keep best keys of an earlier call and those whose value rose since: values
+    only grow, so a state outside both can never climb back.
+
+    A child never scores above its parent, so the children of a node at or below the bar cannot beat the kept set:
+    growth stops there. This prunes drafter calls, never the tree's scores (a child of a node exactly at the bar
+    could at most tie it, through a probability-1 commit). At budget 2 it saves the second call per round.
+    """
+    top = heapq.nlargest(keep, set(top), key=best_per_state.__getitem__)
+    if len(best_per_state) < keep:
+        return float("-inf"), top
+    return best_per_state[top[-1]], top
+
+
+def _record(best_per_state: dict[bytes, float], keys: list[bytes], logprobs: list[float]) -> list[bytes]:
+    """Keep each distinct state's best path log-probability; returns the keys whose value was set or rose."""
+    changed = []
+    for key, logprob in zip(keys, logprobs):
+        if key not in best_per_state or logprob > best_per_state[key]:
+            best_per_state[key] = logprob
+            changed.append(key)
+    return changed
+
+
+def _row_keys(states: torch.Tensor) -> list[bytes]:
+    """The bytes of each row of a contiguous int64 [N, L] host tensor (as ``row.numpy().tobytes()``)."""
+    rows = states.contiguous().numpy()
+    return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).ravel().tolist()
 
 
 def grow_tree(
@@ -139,76 +221,83 @@ def grow_tree(
     budget - 1) best nodes of that depth, batched; the tree keeps the budget - 1 best candidates overall (parents
     always score at least as high as their children).
 
-    Candidate states live on the host: growing a tree is many tiny edits, each a kernel launch and a sync on a GPU.
-    The proposer gets each level's states on the context's device (one copy per level) and the finished tree's
-    states go back there in one copy.
+    Candidate states live on the host, each level's children made in a few batched ops: growing a tree is many tiny
+    edits, each a kernel launch and a sync on a GPU. The proposer gets each level's states on the context's device
+    (one copy per level) and the finished tree's states go back there in one copy.
     """
     guesses = guesses if guesses is not None else StaleGuesses(context)
     if children is None:
         children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
     device = context.root.device
-    host_tokens: dict[tuple[int, int], torch.Tensor] = {}  # (step, rank) -> coupled guesses int64 [L] on the host
-
-    def tokens_on_host(step_index: int, rank: int) -> torch.Tensor:
-        if (step_index, rank) not in host_tokens:
-            host_tokens[(step_index, rank)] = guesses.tokens(step_index, rank).cpu()
-        return host_tokens[(step_index, rank)]
-
     min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
     root = context.root.cpu()
-    candidates = [_Candidate(root, context.root_step, 0.0, -1, 0)]
+    grown = _Candidates(states=[root[None]], logprob=[np.zeros(1)], parent=[np.full(1, -1)])
     best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
-    level = [0]
+    top: list[bytes] = []  # the keys of the (budget - 1) best of them
+    bar = float("-inf")
+    level = np.zeros(1, dtype=np.int64)  # candidate indices of the nodes to expand, best first
     keep = budget - 1
-    for _ in range(max_depth):
-        if not level or keep == 0:
+    for depth in range(max_depth):
+        if not len(level) or keep == 0:
             break
-        states = torch.stack([candidates[i].state for i in level]).to(device)  # [B, L]
-        proposals = children(states, [candidates[i].step for i in level])
-        next_level = []
-        for index, options in zip(level, proposals):
-            parent = candidates[index]
-            for value, positions, rank in options:
-                if parent.logprob + value < min_logprob:
-                    continue
-                tokens = tokens_on_host(parent.step, rank)
-                child = parent.state.clone()
-                where = list(positions)
-                child[where] = tokens[where]
-                candidates.append(_Candidate(child, parent.step + 1, parent.logprob + value, index, parent.depth + 1))
-                next_level.append(len(candidates) - 1)
-                state_key = child.numpy().tobytes()
-                best_per_state[state_key] = max(best_per_state.get(state_key, float("-inf")), candidates[-1].logprob)
-        bar = _admission_bar(best_per_state, keep)
-        level = [
-            i for i in sorted(next_level, key=lambda i: -candidates[i].logprob)[:keep] if candidates[i].logprob > bar
-        ]
-    order = sorted(range(1, len(candidates)), key=lambda i: (-candidates[i].logprob, candidates[i].depth))
+        step = context.root_step + depth  # every node of a level is ``depth`` steps below the root
+        states, logprob = _level_states(grown, level), _level_logprobs(grown, level)  # [B, L], [B]
+        proposed = children(states.to(device), [step] * len(level))
+        path = torch.from_numpy(logprob)[proposed.node] + proposed.logprob  # [C]
+        proposed = proposed.select(~(path < min_logprob))
+        path = path[~(path < min_logprob)].numpy()
+        made = _commit(states, proposed, guesses, step)  # [C, L]
+        first = grown.count
+        grown.states.append(made)
+        grown.logprob.append(path)
+        grown.parent.append(level[proposed.node.numpy()])
+        contenders = np.flatnonzero(path >= bar)  # a value below the bar can never count for it again
+        changed = _record(best_per_state, _row_keys(made[contenders]), path[contenders].tolist())
+        bar, top = _admission_bar(best_per_state, top + changed, keep)
+        best = np.argsort(-path, kind="stable")[:keep]
+        level = first + best[path[best] > bar]
+    return _assemble(context, grown, budget, root, device)
+
+
+def _level_states(grown: _Candidates, level: np.ndarray) -> torch.Tensor:
+    """States of the chosen candidates (all of the last level, or the root) int64 [B, L]."""
+    first = grown.count - len(grown.logprob[-1])
+    return grown.states[-1][torch.from_numpy(level - first)]
+
+
+def _level_logprobs(grown: _Candidates, level: np.ndarray) -> np.ndarray:
+    first = grown.count - len(grown.logprob[-1])
+    return grown.logprob[-1][level - first]
+
+
+def _commit(states: torch.Tensor, proposed: Children, guesses: StaleGuesses, step: int) -> torch.Tensor:
+    """Children states: each parent row with its committed positions set to the coupled tokens of its rank under the
+    noise of ``step``. states int64 [B, L] on the host -> int64 [C, L] on the host"""
+    n_ranks = int(proposed.rank.max()) + 1 if len(proposed.rank) else 1
+    table = torch.stack([guesses.tokens(step, rank).cpu() for rank in range(n_ranks)])  # [R, L]
+    return torch.where(proposed.commits, table[proposed.rank], states[proposed.node])
+
+
+def _assemble(
+    context: DraftContext, grown: _Candidates, budget: int, root: torch.Tensor, device: torch.device
+) -> DraftTree:
+    """The tree of the best candidates: best first (ties: shallower, then older), merged states kept once, complete
+    states left out, and a candidate whose parent is not in the tree skipped."""
+    logprob, parent = np.concatenate(grown.logprob), np.concatenate(grown.parent)  # [N], candidates by depth
+    states = torch.cat(grown.states)  # [N, L]
+    order = np.argsort(-logprob[1:], kind="stable") + 1  # depth and then age break ties: creation order
     builder = TreeBuilder(root=root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
     node_of = {0: 0}
-    for index in order:
+    for index in order.tolist():
         if builder.full:
             break
-        cand = candidates[index]
-        parent_node = node_of.get(cand.parent)
+        parent_node = node_of.get(int(parent[index]))
         if parent_node is None:
             continue
-        node = builder.add(parent_node, cand.state)
+        node = builder.add(parent_node, states[index])
         if node is not None:
             node_of[index] = node
     return builder.build(device)
-
-
-def _admission_bar(best_per_state: dict[bytes, float], keep: int) -> float:
-    """Path log-probability of the keep-th best distinct state so far (-inf while fewer exist).
-
-    A child never scores above its parent, so the children of a node at or below the bar cannot beat the kept set:
-    growth stops there. This prunes drafter calls, never the tree's scores (a child of a node exactly at the bar
-    could at most tie it, through a probability-1 commit). At budget 2 it saves the second call per round.
-    """
-    if len(best_per_state) < keep:
-        return float("-inf")
-    return heapq.nlargest(keep, best_per_state.values())[-1]
 
 
 def masked_log_normalise(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import ChildProposer, StaleGuesses, grow_tree
+from spot_dlm.drafters.base import ChildProposer, Children, StaleGuesses, grow_tree
 from spot_dlm.drafters.order_model import FrozenOrderModel, OrderModel, StaleView
 from spot_dlm.tree import DraftTree
 
@@ -44,10 +44,11 @@ def candidate_sets(join_prob: torch.Tensor, allowed: torch.Tensor, cutoffs: tupl
 def sets_children(join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: int) -> ChildProposer:
     """ChildProposer from a function (states [B, L], steps) -> join probabilities [B, L]."""
 
-    def children(states: torch.Tensor, steps: list[int]):
+    def children(states: torch.Tensor, steps: list[int]) -> Children:
         probs = join_probs(states, steps).cpu()  # [B, L]; sets are cut on the host (many tiny ops)
         allowed = states.cpu() == mask_id
-        return [candidate_sets(p, a, cutoffs, keep) for p, a in zip(probs, allowed)]
+        rows = [candidate_sets(p, a, cutoffs, keep) for p, a in zip(probs, allowed)]
+        return Children.of_rows(rows, states.shape[-1])
 
     return children
 
