@@ -32,10 +32,10 @@ class TreeBuilder:
     index: dict[tuple[int, bytes], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._append(self.root, -1, self.root_step)
+        self._append(self.root, -1, self.root_step, state_key(self.root, self.root_step))
 
-    def _append(self, state: torch.Tensor, parent: int, step_index: int) -> int:
-        self.index[state_key(state, step_index)] = len(self.states)
+    def _append(self, state: torch.Tensor, parent: int, step_index: int, key: tuple[int, bytes]) -> int:
+        self.index[key] = len(self.states)
         self.states.append(state)
         self.parents.append(parent)
         self.steps.append(step_index)
@@ -51,13 +51,20 @@ class TreeBuilder:
         Returns the node index (existing one when merged), or None when the state is complete (its last commit
         is always free, so it never needs scoring) or the budget is spent.
         """
+        tokens = state_key(state, 0)[1]
+        return self.add_known(parent, state, tokens, not bool((state == self.mask_id).any()), steps_taken)
+
+    def add_known(
+        self, parent: int, state: torch.Tensor, tokens: bytes, complete: bool, steps_taken: int = 1
+    ) -> int | None:
+        """``add`` with the state's int64 bytes and whether it is complete already known."""
         step_index = self.steps[parent] + steps_taken
-        key = state_key(state, step_index)
+        key = (step_index, tokens)
         if key in self.index:
             return self.index[key]
-        if not bool((state == self.mask_id).any()) or self.full:
+        if complete or self.full:
             return None
-        return self._append(state, parent, step_index)
+        return self._append(state, parent, step_index, key)
 
     def build(self, device: torch.device | None = None) -> DraftTree:
         """The tree, its states stacked on ``device`` (default: where they are)."""

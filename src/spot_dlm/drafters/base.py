@@ -77,59 +77,69 @@ Child = tuple[float, tuple[int, ...], int]
 
 @dataclass(frozen=True)
 class Children:
-    """The candidate children of a batch of B nodes, C in all, on the host: grouped by node, each node's children
-    in proposal order (that order breaks ties between equally likely children)."""
+    """The candidate children of a batch of B nodes, C in all, as host arrays: grouped by node, each node's children
+    in proposal order (that order breaks ties between equally likely children). Child c commits the positions
+    ``commit_position[commit_child == c]`` together."""
 
-    node: torch.Tensor  # int64 [C], non-decreasing: the row of the child's parent in the batch
-    logprob: torch.Tensor  # float64 [C]: log-probability of the edge
-    commits: torch.Tensor  # bool [C, L]: the positions committed together
-    rank: torch.Tensor  # int64 [C]: token rank, 0 = the best coupled guess, 1 = the runner-up, ...
+    node: np.ndarray  # int64 [C], non-decreasing: the row of the child's parent in the batch
+    logprob: np.ndarray  # float64 [C]: log-probability of the edge
+    rank: np.ndarray  # int64 [C]: token rank, 0 = the best coupled guess, 1 = the runner-up, ...
+    commit_child: np.ndarray  # int64 [P]: the child of each committed position
+    commit_position: np.ndarray  # int64 [P]
 
     @staticmethod
-    def of_rows(rows: list[list[Child]], length: int) -> Children:
-        """From per-node lists of children (node b's list is ``rows[b]``); ``length`` is L."""
+    def of_rows(rows: list[list[Child]]) -> Children:
+        """From per-node lists of children (node b's list is ``rows[b]``)."""
         flat = [(b, *child) for b, options in enumerate(rows) for child in options]
-        commits = torch.zeros(len(flat), length, dtype=torch.bool)
-        for c, (_, _, positions, _) in enumerate(flat):
-            commits[c, list(positions)] = True
         return Children(
-            node=torch.tensor([f[0] for f in flat], dtype=torch.int64),
-            logprob=torch.tensor([f[1] for f in flat], dtype=torch.float64),
-            commits=commits,
-            rank=torch.tensor([f[3] for f in flat], dtype=torch.int64),
+            node=np.array([f[0] for f in flat], dtype=np.int64),
+            logprob=np.array([f[1] for f in flat], dtype=np.float64),
+            rank=np.array([f[3] for f in flat], dtype=np.int64),
+            commit_child=np.array([c for c, f in enumerate(flat) for _ in f[2]], dtype=np.int64),
+            commit_position=np.array([p for f in flat for p in f[2]], dtype=np.int64),
         )
 
-    def select(self, chosen: torch.Tensor) -> Children:
+    def select(self, chosen: np.ndarray) -> Children:
         """The children where ``chosen`` (bool [C]) holds, in order."""
-        return Children(self.node[chosen], self.logprob[chosen], self.commits[chosen], self.rank[chosen])
+        renumber = np.cumsum(chosen) - 1  # [C]: new index of each chosen child
+        kept = chosen[self.commit_child]  # [P]
+        return Children(
+            self.node[chosen],
+            self.logprob[chosen],
+            self.rank[chosen],
+            renumber[self.commit_child[kept]],
+            self.commit_position[kept],
+        )
 
 
 # (node states int64 [B, L], rule-step indices) -> the candidate children of every node
 ChildProposer = Callable[[torch.Tensor, list[int]], Children]
 
 
-def top_positions(scores: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_positions(scores: torch.Tensor, keep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The min(keep, #finite) best positions of every row, rows in order, each row best first.
 
-    scores float [B, L] -> (row int64 [C], score [C], position int64 [C]). Rows with the same count share one
-    ``topk`` call, which orders each row (ties included) exactly as ``row.topk(count)`` does.
+    scores float [B, L] on the host -> (row int64 [C], score float64 [C], position int64 [C]). Rows with the same
+    count share one ``topk`` call, which orders each row (ties included) exactly as ``row.topk(count)`` does.
     """
-    counts = torch.isfinite(scores).sum(-1).clamp(max=keep)  # [B]
-    rows, values, positions = (
-        [torch.zeros(0, dtype=torch.int64)],
-        [scores.new_zeros(0)],
-        [torch.zeros(0, dtype=torch.int64)],
-    )
-    for count in counts.unique().tolist():
-        if count == 0:
-            continue
-        group = torch.nonzero(counts == count).flatten()  # [b]
-        top = scores[group].topk(count, dim=-1)  # [b, count]
-        rows.append(group.repeat_interleave(count))
-        values.append(top.values.flatten())
-        positions.append(top.indices.flatten())
-    row, order = torch.sort(torch.cat(rows), stable=True)  # back to row order, each row's order kept
-    return row, torch.cat(values)[order], torch.cat(positions)[order]
+    host = scores.to(torch.float64).numpy()  # [B, L]
+    counts = np.minimum(np.isfinite(host).sum(-1), keep)  # [B]
+    if counts.min() == counts.max():  # the usual case: one call
+        row, position = _top_of_rows(scores, np.arange(len(counts)), int(counts[0]))
+    else:
+        parts = [_top_of_rows(scores, np.flatnonzero(counts == count), int(count)) for count in np.unique(counts)]
+        row, position = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        order = np.argsort(row, kind="stable")  # back to row order, each row's order kept
+        row, position = row[order], position[order]
+    return row, host[row, position], position
+
+
+def _top_of_rows(scores: torch.Tensor, rows: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``count`` best positions of the given rows: (row int64 [b * count], position int64 [b * count])."""
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    chosen = scores if len(rows) == scores.shape[0] else scores[torch.from_numpy(rows)]  # [b, L]
+    return np.repeat(rows, count), chosen.topk(count, dim=-1).indices.numpy().ravel()
 
 
 def one_commit_children(
@@ -144,30 +154,16 @@ def one_commit_children(
     def children(states: torch.Tensor, steps: list[int]) -> Children:
         scores = scorer(states, steps).cpu()  # [B, L]; ranked on the host
         node, values, positions = top_positions(scores, keep)  # [C] each
-        values, rank = values.to(torch.float64), torch.zeros_like(node)
+        rank = np.zeros_like(node)
         if alternatives > 1:
-            table = {s: guesses.ranked(s, alternatives)[1].cpu() for s in set(steps)}  # step -> float64 [A, L]
-            token_logprob = torch.stack([table[s] for s in steps])[node, :, positions]  # [C, A]
-            values = (values[:, None] + token_logprob).flatten()  # [C * A]: each position's ranks in turn
-            node, positions = node.repeat_interleave(alternatives), positions.repeat_interleave(alternatives)
-            rank = torch.arange(alternatives).repeat(token_logprob.shape[0])
-        commits = torch.nn.functional.one_hot(positions, states.shape[-1]).bool()  # [C, L]
-        return Children(node, values, commits, rank)
+            table = {s: guesses.ranked(s, alternatives)[1].cpu().numpy() for s in set(steps)}  # step -> [A, L]
+            token_logprob = np.stack([table[s] for s in steps])[node, :, positions]  # [C, A]
+            values = (values[:, None] + token_logprob).ravel()  # [C * A]: each position's ranks in turn
+            node, positions = np.repeat(node, alternatives), np.repeat(positions, alternatives)
+            rank = np.tile(np.arange(alternatives), len(token_logprob))
+        return Children(node, values, rank, np.arange(len(node)), positions)
 
     return children
-
-
-@dataclass
-class _Candidates:
-    """Every candidate node grown so far, in creation order (index 0: the root), on the host."""
-
-    states: list[torch.Tensor]  # per level int64 [C_d, L]
-    logprob: list[np.ndarray]  # per level float64 [C_d]: path log-probability from the root
-    parent: list[np.ndarray]  # per level int64 [C_d]: candidate index of the parent
-
-    @property
-    def count(self) -> int:
-        return sum(len(lp) for lp in self.logprob)
 
 
 def _admission_bar(best_per_state: dict[bytes, float], top: list[bytes], keep: int) -> tuple[float, list[bytes]]:
@@ -195,10 +191,20 @@ def _record(best_per_state: dict[bytes, float], keys: list[bytes], logprobs: lis
     return changed
 
 
-def _row_keys(states: torch.Tensor) -> list[bytes]:
-    """The bytes of each row of a contiguous int64 [N, L] host tensor (as ``row.numpy().tobytes()``)."""
-    rows = states.contiguous().numpy()
+def _row_keys(states: np.ndarray) -> list[bytes]:
+    """The bytes of each row of an int64 [N, L] array (as ``row.tobytes()``)."""
+    rows = np.ascontiguousarray(states)
     return rows.view(np.dtype((np.void, rows.shape[1] * rows.itemsize))).ravel().tolist()
+
+
+@dataclass
+class _Levels:
+    """Every candidate node grown so far, level by level (level 0: the root alone), as host arrays."""
+
+    states: list[np.ndarray]  # per level int64 [C_d, L]
+    logprob: list[np.ndarray]  # per level float64 [C_d]: path log-probability from the root
+    parent: list[np.ndarray]  # per level int64 [C_d]: candidate index of the parent (-1 for the root)
+    count: int = 1  # candidates in all; a candidate's index counts from the root's 0 in creation order
 
 
 def grow_tree(
@@ -221,83 +227,74 @@ def grow_tree(
     budget - 1) best nodes of that depth, batched; the tree keeps the budget - 1 best candidates overall (parents
     always score at least as high as their children).
 
-    Candidate states live on the host, each level's children made in a few batched ops: growing a tree is many tiny
+    Candidate states live on the host, each level's children made in a few array ops: growing a tree is many tiny
     edits, each a kernel launch and a sync on a GPU. The proposer gets each level's states on the context's device
     (one copy per level) and the finished tree's states go back there in one copy.
     """
     guesses = guesses if guesses is not None else StaleGuesses(context)
     if children is None:
         children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
-    device = context.root.device
     min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
     root = context.root.cpu()
-    grown = _Candidates(states=[root[None]], logprob=[np.zeros(1)], parent=[np.full(1, -1)])
+    grown = _Levels(states=[root.numpy()[None]], logprob=[np.zeros(1)], parent=[np.full(1, -1)])
     best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
     top: list[bytes] = []  # the keys of the (budget - 1) best of them
     bar = float("-inf")
-    level = np.zeros(1, dtype=np.int64)  # candidate indices of the nodes to expand, best first
+    level = np.zeros(1, dtype=np.int64)  # rows of the last level to expand, best first
     keep = budget - 1
     for depth in range(max_depth):
         if not len(level) or keep == 0:
             break
-        step = context.root_step + depth  # every node of a level is ``depth`` steps below the root
-        states, logprob = _level_states(grown, level), _level_logprobs(grown, level)  # [B, L], [B]
-        proposed = children(states.to(device), [step] * len(level))
-        path = torch.from_numpy(logprob)[proposed.node] + proposed.logprob  # [C]
-        proposed = proposed.select(~(path < min_logprob))
-        path = path[~(path < min_logprob)].numpy()
+        states, logprob = grown.states[-1][level], grown.logprob[-1][level]  # [B, L], [B]
+        step = context.root_step + depth  # every node of a level is ``depth`` rule steps below the root
+        proposed = children(torch.from_numpy(states).to(context.root.device), [step] * len(level))
+        path = logprob[proposed.node] + proposed.logprob  # [C]
+        admitted = ~(path < min_logprob)
+        if not admitted.all():
+            proposed, path = proposed.select(admitted), path[admitted]
         made = _commit(states, proposed, guesses, step)  # [C, L]
-        first = grown.count
+        grown.parent.append(grown.count - len(grown.logprob[-1]) + level[proposed.node])
         grown.states.append(made)
         grown.logprob.append(path)
-        grown.parent.append(level[proposed.node.numpy()])
+        grown.count += len(path)
         contenders = np.flatnonzero(path >= bar)  # a value below the bar can never count for it again
         changed = _record(best_per_state, _row_keys(made[contenders]), path[contenders].tolist())
         bar, top = _admission_bar(best_per_state, top + changed, keep)
-        best = np.argsort(-path, kind="stable")[:keep]
-        level = first + best[path[best] > bar]
-    return _assemble(context, grown, budget, root, device)
+        level = np.argsort(-path, kind="stable")[:keep]
+        level = level[path[level] > bar]
+    return _assemble(context, grown, budget, root)
 
 
-def _level_states(grown: _Candidates, level: np.ndarray) -> torch.Tensor:
-    """States of the chosen candidates (all of the last level, or the root) int64 [B, L]."""
-    first = grown.count - len(grown.logprob[-1])
-    return grown.states[-1][torch.from_numpy(level - first)]
-
-
-def _level_logprobs(grown: _Candidates, level: np.ndarray) -> np.ndarray:
-    first = grown.count - len(grown.logprob[-1])
-    return grown.logprob[-1][level - first]
-
-
-def _commit(states: torch.Tensor, proposed: Children, guesses: StaleGuesses, step: int) -> torch.Tensor:
+def _commit(states: np.ndarray, proposed: Children, guesses: StaleGuesses, step: int) -> np.ndarray:
     """Children states: each parent row with its committed positions set to the coupled tokens of its rank under the
-    noise of ``step``. states int64 [B, L] on the host -> int64 [C, L] on the host"""
+    noise of ``step``. states int64 [B, L] -> int64 [C, L]"""
     n_ranks = int(proposed.rank.max()) + 1 if len(proposed.rank) else 1
-    table = torch.stack([guesses.tokens(step, rank).cpu() for rank in range(n_ranks)])  # [R, L]
-    return torch.where(proposed.commits, table[proposed.rank], states[proposed.node])
+    table = np.stack([guesses.tokens(step, rank).cpu().numpy() for rank in range(n_ranks)])  # [R, L]
+    child, position = proposed.commit_child, proposed.commit_position  # [P] each
+    made = states.take(proposed.node, axis=0)  # [C, L]
+    made[child, position] = table[0, position] if n_ranks == 1 else table[proposed.rank[child], position]
+    return made
 
 
-def _assemble(
-    context: DraftContext, grown: _Candidates, budget: int, root: torch.Tensor, device: torch.device
-) -> DraftTree:
+def _assemble(context: DraftContext, grown: _Levels, budget: int, root: torch.Tensor) -> DraftTree:
     """The tree of the best candidates: best first (ties: shallower, then older), merged states kept once, complete
     states left out, and a candidate whose parent is not in the tree skipped."""
-    logprob, parent = np.concatenate(grown.logprob), np.concatenate(grown.parent)  # [N], candidates by depth
-    states = torch.cat(grown.states)  # [N, L]
-    order = np.argsort(-logprob[1:], kind="stable") + 1  # depth and then age break ties: creation order
+    states = np.concatenate(grown.states)  # [N, L], candidates in creation order, so by depth
+    logprob, parent = np.concatenate(grown.logprob), np.concatenate(grown.parent)  # [N]
+    complete = ~(states == context.mask_id).any(-1)  # [N]
     builder = TreeBuilder(root=root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
     node_of = {0: 0}
-    for index in order.tolist():
+    for index in (np.argsort(-logprob[1:], kind="stable") + 1).tolist():
         if builder.full:
             break
         parent_node = node_of.get(int(parent[index]))
         if parent_node is None:
             continue
-        node = builder.add(parent_node, states[index])
+        state = states[index]
+        node = builder.add_known(parent_node, torch.from_numpy(state), state.tobytes(), bool(complete[index]))
         if node is not None:
             node_of[index] = node
-    return builder.build(device)
+    return builder.build(context.root.device)
 
 
 def masked_log_normalise(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ def sets_children(join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: in
         probs = join_probs(states, steps).cpu()  # [B, L]; sets are cut on the host (many tiny ops)
         allowed = states.cpu() == mask_id
         rows = [candidate_sets(p, a, cutoffs, keep) for p, a in zip(probs, allowed)]
-        return Children.of_rows(rows, states.shape[-1])
+        return Children.of_rows(rows)
 
     return children
 
