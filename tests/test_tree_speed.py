@@ -15,7 +15,7 @@ import torch
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import Child, PositionScorer, StaleGuesses, grow_tree, masked_log_normalise
-from spot_dlm.drafters.sets import DEFAULT_CUTOFFS, sets_children
+from spot_dlm.drafters.sets import DEFAULT_CUTOFFS, candidate_sets, sets_children
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.tree import DraftTree, TreeBuilder
@@ -296,3 +296,18 @@ def test_set_trees_match_the_reference(temperature: float, budget: int) -> None:
                 context, budget, depth, children=reference_children, min_path_prob=min_path_prob
             )
             assert_same_tree(fast, reference)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_candidate_sets_match_the_reference(seed: int) -> None:
+    """Same sets, scores (bit for bit) and order, including coarse probabilities (ties) and odd cut-offs."""
+    generator = torch.Generator().manual_seed(seed)
+    draw = random.Random(seed)
+    length = draw.choice((1, 3, 8, 16, 40))
+    q = torch.rand(length, generator=generator, dtype=torch.float64)
+    if seed % 2:
+        q = (q * 4).round() / 4  # ties, and probabilities 0 and 1 (clamped)
+    allowed = torch.rand(length, generator=generator) < draw.choice((0.0, 0.3, 0.8, 1.0))
+    cutoffs = draw.choice(((), (0.5,), DEFAULT_CUTOFFS, (0.9, 0.9, 0.25, 1e-9)))
+    keep = draw.choice((1, 2, 3, 31))
+    assert candidate_sets(q, allowed, cutoffs, keep) == _reference_candidate_sets(q, allowed, cutoffs, keep)

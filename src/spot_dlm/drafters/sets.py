@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
@@ -25,30 +26,77 @@ def candidate_sets(join_prob: torch.Tensor, allowed: torch.Tensor, cutoffs: tupl
 
     join_prob float [L] in (0, 1); allowed bool [L]. Returns [(log-prob, positions)] (at most ``keep``).
     """
-    if not bool(allowed.any()):
-        return []
-    q = join_prob.to(torch.float64).clamp(1e-6, 1 - 1e-6)
-    order = torch.sort(q.masked_fill(~allowed, -1.0), descending=True, stable=True).indices
-    order = order[: int(allowed.sum())]
-    sizes = {1} | {max(1, int((q[order] >= c).sum())) for c in cutoffs}
-    log_in, log_out = q.log(), (1 - q).log()
-    base_out = float(log_out[allowed].sum())
-    options = []
-    for size in sorted(sizes):
-        members = order[:size]
-        score = base_out + float((log_in[members] - log_out[members]).sum())
-        options.append((score, tuple(members.tolist()), 0))
-    return sorted(options, key=lambda o: -o[0])[:keep]
+    children = batch_candidate_sets(join_prob[None], allowed[None], cutoffs, keep)
+    positions = np.split(children.commit_position, np.cumsum(np.bincount(children.commit_child))[:-1])
+    return [(score, tuple(p.tolist()), 0) for score, p in zip(children.logprob.tolist(), positions)]
+
+
+def batch_candidate_sets(
+    join_probs: torch.Tensor, allowed: torch.Tensor, cutoffs: tuple[float, ...], keep: int
+) -> Children:
+    """``candidate_sets`` of every node of a batch, as Children (rank 0: the best coupled guesses).
+
+    join_probs float [B, L] in (0, 1), allowed bool [B, L], on the host. Each node's sets are its most likely
+    positions, as many as reach each cut-off (and one), distinct sizes only, scored as independent Bernoullis.
+    Every sum adds the same numbers in the same order as a node alone would (rows are summed in groups of equal
+    length), so the scores do not depend on the batch.
+    """
+    q = join_probs.to(torch.float64).clamp(1e-6, 1 - 1e-6)  # [B, L]
+    q_host, allowed_host = q.numpy(), allowed.numpy()
+    order = np.argsort(np.where(allowed_host, -q_host, 1.0), axis=-1, kind="stable")  # [B, L], likeliest first
+    reach = (q_host[:, None] >= np.array(cutoffs)[:, None]) & allowed_host[:, None]  # [B, S - 1, L]
+    sizes = np.concatenate([np.ones_like(order[:, :1]), np.maximum(reach.sum(-1), 1)], -1)  # [B, S]
+    sizes.sort(-1)  # ascending: ties between sets go to the smaller
+    distinct = np.concatenate([np.ones_like(sizes[:, :1], dtype=bool), sizes[:, 1:] != sizes[:, :-1]], -1)
+    distinct &= allowed_host.any(-1)[:, None]  # [B, S]
+    log_in, log_out = q.log(), (1 - q).log()  # [B, L]
+    gain = (log_in - log_out).numpy()[np.arange(len(order))[:, None], order]  # [B, L], likeliest first
+    score = _outside_sums(log_out.numpy(), allowed_host)[:, None] + _prefix_sums(gain, sizes)  # [B, S]
+    ranked = np.argsort(np.where(distinct, -score, np.inf), axis=-1, kind="stable")  # [B, S], best first
+    taken = np.arange(sizes.shape[1]) < np.minimum(distinct.sum(-1), keep)[:, None]  # [B, S]
+    node, column = np.nonzero(taken)  # [C], node by node
+    column = ranked[node, column]
+    size = sizes[node, column]  # [C]
+    commit_child = np.repeat(np.arange(len(node)), size)  # [P]
+    offset = np.arange(len(commit_child)) - np.repeat(np.cumsum(size) - size, size)  # [P]: rank among the members
+    return Children(
+        node=node,
+        logprob=score[node, column],
+        rank=np.zeros_like(node),
+        commit_child=commit_child,
+        commit_position=order[node[commit_child], offset],
+    )
+
+
+def _outside_sums(log_out: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Per row, the sum of log_out over the allowed positions (summed by torch, as one row alone would be).
+    float64 [B, L], bool [B, L] -> float64 [B]"""
+    counts = allowed.sum(-1)  # [B]
+    sums = np.zeros(len(counts))
+    for count in np.unique(counts).tolist():
+        rows = np.flatnonzero(counts == count)
+        packed = log_out[rows][allowed[rows]].reshape(len(rows), count)  # [b, count]
+        sums[rows] = torch.from_numpy(packed).sum(-1).numpy()
+    return sums
+
+
+def _prefix_sums(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """sums[b, j] = values[b, :sizes[b, j]].sum(), summed by torch as one row alone would be.
+    float64 [B, L], int [B, S] -> float64 [B, S]"""
+    sums = np.zeros(sizes.shape)
+    for size in np.unique(sizes).tolist():
+        rows = np.flatnonzero((sizes == size).any(-1))
+        row_sums = torch.from_numpy(values[rows, :size]).sum(-1).numpy()  # [b]
+        sums[rows] = np.where(sizes[rows] == size, row_sums[:, None], sums[rows])
+    return sums
 
 
 def sets_children(join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: int) -> ChildProposer:
     """ChildProposer from a function (states [B, L], steps) -> join probabilities [B, L]."""
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
-        probs = join_probs(states, steps).cpu()  # [B, L]; sets are cut on the host (many tiny ops)
-        allowed = states.cpu() == mask_id
-        rows = [candidate_sets(p, a, cutoffs, keep) for p, a in zip(probs, allowed)]
-        return Children.of_rows(rows)
+        probs = join_probs(states, steps).cpu()  # [B, L]; sets are cut on the host
+        return batch_candidate_sets(probs, states.cpu() == mask_id, cutoffs, keep)
 
     return children
 
