@@ -8,9 +8,10 @@ position* commits next; ``grow_tree`` turns that score into a tree, best-first b
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -181,13 +182,20 @@ def _admission_bar(best_per_state: dict[bytes, float], top: list[bytes], keep: i
     return best_per_state[top[-1]], top
 
 
-def _record(best_per_state: dict[bytes, float], keys: list[bytes], logprobs: list[float]) -> list[bytes]:
-    """Keep each distinct state's best path log-probability; returns the keys whose value was set or rose."""
-    changed = []
+def _record(best_per_state: dict[bytes, float], keys: list[bytes], logprobs: list[float], keep: int) -> list[bytes]:
+    """Keep each distinct state's best path log-probability, children taken best first; returns the keys whose value
+    was set or rose. Stops below the keep-th distinct state of the level: the bar cannot end below it, and a value
+    below the bar never counts for it (bars only rise)."""
+    changed, seen, floor = [], set(), float("-inf")
     for key, logprob in zip(keys, logprobs):
+        if logprob < floor:
+            break
         if key not in best_per_state or logprob > best_per_state[key]:
             best_per_state[key] = logprob
             changed.append(key)
+        seen.add(key)
+        if len(seen) == keep:
+            floor = logprob
     return changed
 
 
@@ -204,6 +212,7 @@ class _Levels:
     states: list[np.ndarray]  # per level int64 [C_d, L]
     logprob: list[np.ndarray]  # per level float64 [C_d]: path log-probability from the root
     parent: list[np.ndarray]  # per level int64 [C_d]: candidate index of the parent (-1 for the root)
+    complete: list[np.ndarray]  # per level bool [C_d]: no position left masked
     count: int = 1  # candidates in all; a candidate's index counts from the root's 0 in creation order
 
 
@@ -236,7 +245,7 @@ def grow_tree(
         children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
     min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
     root = context.root.cpu()
-    grown = _Levels(states=[root.numpy()[None]], logprob=[np.zeros(1)], parent=[np.full(1, -1)])
+    grown = _Levels([root.numpy()[None]], [np.zeros(1)], [np.full(1, -1)], [np.zeros(1, dtype=bool)])
     best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
     top: list[bytes] = []  # the keys of the (budget - 1) best of them
     bar = float("-inf")
@@ -256,12 +265,13 @@ def grow_tree(
         grown.parent.append(grown.count - len(grown.logprob[-1]) + level[proposed.node])
         grown.states.append(made)
         grown.logprob.append(path)
+        grown.complete.append(~(made == context.mask_id).any(-1))
         grown.count += len(path)
-        contenders = np.flatnonzero(path >= bar)  # a value below the bar can never count for it again
-        changed = _record(best_per_state, _row_keys(made[contenders]), path[contenders].tolist())
+        ranking = np.argsort(-path, kind="stable")  # [C], best first (ties: in proposal order)
+        contenders = ranking[path[ranking] >= bar]  # a value below the bar can never count for it again
+        changed = _record(best_per_state, _row_keys(made[contenders]), path[contenders].tolist(), keep)
         bar, top = _admission_bar(best_per_state, top + changed, keep)
-        level = np.argsort(-path, kind="stable")[:keep]
-        level = level[path[level] > bar]
+        level = ranking[:keep][path[ranking[:keep]] > bar]
     return _assemble(context, grown, budget, root)
 
 
@@ -279,22 +289,36 @@ def _commit(states: np.ndarray, proposed: Children, guesses: StaleGuesses, step:
 def _assemble(context: DraftContext, grown: _Levels, budget: int, root: torch.Tensor) -> DraftTree:
     """The tree of the best candidates: best first (ties: shallower, then older), merged states kept once, complete
     states left out, and a candidate whose parent is not in the tree skipped."""
-    states = np.concatenate(grown.states)  # [N, L], candidates in creation order, so by depth
-    logprob, parent = np.concatenate(grown.logprob), np.concatenate(grown.parent)  # [N]
-    complete = ~(states == context.mask_id).any(-1)  # [N]
+    logprob, parent = np.concatenate(grown.logprob), np.concatenate(grown.parent)  # [N], by depth then age
+    complete = np.concatenate(grown.complete).tolist()  # [N]
+    starts = np.cumsum([0] + [len(lp) for lp in grown.logprob]).tolist()  # first candidate index of each level
     builder = TreeBuilder(root=root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
     node_of = {0: 0}
-    for index in (np.argsort(-logprob[1:], kind="stable") + 1).tolist():
+    for index in _best_first(logprob[1:], 4 * budget):
         if builder.full:
             break
+        index += 1  # the root is not a candidate
         parent_node = node_of.get(int(parent[index]))
         if parent_node is None:
             continue
-        state = states[index]
-        node = builder.add_known(parent_node, torch.from_numpy(state), state.tobytes(), bool(complete[index]))
+        level = bisect.bisect_right(starts, index) - 1
+        state = grown.states[level][index - starts[level]]  # int64 [L]
+        node = builder.add_known(parent_node, torch.from_numpy(state), state.tobytes(), complete[index])
         if node is not None:
             node_of[index] = node
     return builder.build(context.root.device)
+
+
+def _best_first(logprob: np.ndarray, head: int) -> Iterator[int]:
+    """Indices by descending logprob, ties in index order (a stable sort), the ``head`` best sorted first and the
+    rest only if asked for. float64 [N] -> N indices"""
+    key = -logprob
+    if len(key) <= head:
+        yield from np.argsort(key, kind="stable").tolist()
+        return
+    in_head = key <= np.partition(key, head - 1)[head - 1]  # [N], >= head of them: every tie of the cut
+    for part in (np.flatnonzero(in_head), np.flatnonzero(~in_head)):
+        yield from part[np.argsort(key[part], kind="stable")].tolist()
 
 
 def masked_log_normalise(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
