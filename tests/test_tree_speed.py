@@ -10,11 +10,19 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import Child, PositionScorer, StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.base import (
+    Child,
+    PositionScorer,
+    StaleGuesses,
+    _best_first,
+    grow_tree,
+    masked_log_normalise,
+)
 from spot_dlm.drafters.sets import DEFAULT_CUTOFFS, candidate_sets, sets_children
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
@@ -238,6 +246,18 @@ def position_scorer(seed: int, style: str) -> PositionScorer:
     return scorer
 
 
+def counting(scorer: PositionScorer) -> PositionScorer:
+    """The scorer (or join-probability function), recording each call's (states, steps)."""
+    calls: list[tuple[list[list[int]], list[int]]] = []
+
+    def recorded(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        calls.append((states.tolist(), list(steps)))
+        return scorer(states, steps)
+
+    recorded.calls = calls
+    return recorded
+
+
 def join_probs(seed: int):
     """Random join probabilities, a pure function of the node state. -> float [B, L] in (0, 1)"""
     generator = torch.Generator().manual_seed(seed)
@@ -272,11 +292,17 @@ def test_one_commit_trees_match_the_reference(temperature: float, budget: int) -
         for depth in DEPTHS:
             style = draw.choice(("smooth", "ties", "loose", "float32"))
             alternatives, min_path_prob = draw.choice((1, 2)), draw.choice((0.0, 0.05))
-            scorer = position_scorer(seed, style)
+            fast_scorer, reference_scorer = (
+                counting(position_scorer(seed, style)),
+                counting(position_scorer(seed, style)),
+            )
             options = {"alternatives": alternatives, "min_path_prob": min_path_prob}
-            fast = grow_tree(context, budget, depth, scorer, StaleGuesses(context), **options)
-            reference = _reference_grow_tree(context, budget, depth, scorer, StaleGuesses(context), **options)
+            fast = grow_tree(context, budget, depth, fast_scorer, StaleGuesses(context), **options)
+            reference = _reference_grow_tree(
+                context, budget, depth, reference_scorer, StaleGuesses(context), **options
+            )
             assert_same_tree(fast, reference)
+            assert fast_scorer.calls == reference_scorer.calls  # the same admission bar: the same levels scored
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, 1.5])
@@ -286,16 +312,17 @@ def test_set_trees_match_the_reference(temperature: float, budget: int) -> None:
     for seed in range(6):
         length = draw.choice((6, 8, 16))
         context = make_context(temperature, seed, length, "threshold")
-        probs = join_probs(seed)
         for depth in DEPTHS:
             min_path_prob = draw.choice((0.0, 0.05))
-            fast_children = sets_children(probs, DEFAULT_CUTOFFS, budget - 1, MASK)
-            reference_children = _reference_sets_children(probs, DEFAULT_CUTOFFS, budget - 1, MASK)
+            fast_probs, reference_probs = counting(join_probs(seed)), counting(join_probs(seed))
+            fast_children = sets_children(fast_probs, DEFAULT_CUTOFFS, budget - 1, MASK)
+            reference_children = _reference_sets_children(reference_probs, DEFAULT_CUTOFFS, budget - 1, MASK)
             fast = grow_tree(context, budget, depth, children=fast_children, min_path_prob=min_path_prob)
             reference = _reference_grow_tree(
                 context, budget, depth, children=reference_children, min_path_prob=min_path_prob
             )
             assert_same_tree(fast, reference)
+            assert fast_probs.calls == reference_probs.calls
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -311,3 +338,13 @@ def test_candidate_sets_match_the_reference(seed: int) -> None:
     cutoffs = draw.choice(((), (0.5,), DEFAULT_CUTOFFS, (0.9, 0.9, 0.25, 1e-9)))
     keep = draw.choice((1, 2, 3, 31))
     assert candidate_sets(q, allowed, cutoffs, keep) == _reference_candidate_sets(q, allowed, cutoffs, keep)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_best_first_is_a_stable_sort(seed: int) -> None:
+    """The lazily sorted order is the stable sort by descending log-probability, whatever the head."""
+    rng = np.random.default_rng(seed)
+    logprob = rng.integers(-6, 1, 40) / 2  # many ties
+    logprob[rng.random(40) < 0.15] = -np.inf
+    for head in (1, 2, 5, 20, 39, 40, 41):
+        assert list(_best_first(logprob, head)) == np.argsort(-logprob, kind="stable").tolist()
