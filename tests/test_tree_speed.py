@@ -16,7 +16,6 @@ import torch
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import (
-    Child,
     PositionScorer,
     StaleGuesses,
     _best_first,
@@ -34,6 +33,8 @@ MASK, V = 2, 12
 
 # ------------------------------------------------------------------- the reference: grow_tree before batching
 
+# (log-probability, positions committed together, token rank)
+Child = tuple[float, tuple[int, ...], int]
 _ReferenceChildProposer = Callable[[torch.Tensor, list[int]], list[list[Child]]]
 
 

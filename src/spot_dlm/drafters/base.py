@@ -72,9 +72,6 @@ class StaleGuesses:
 # next, float [B, L]; -inf where a position may not commit (not masked in the node)
 PositionScorer = Callable[[torch.Tensor, list[int]], torch.Tensor]
 
-# one candidate child: (log-probability, positions committed together, token rank: 0 = the best coupled guess, ...)
-Child = tuple[float, tuple[int, ...], int]
-
 
 @dataclass(frozen=True)
 class Children:
@@ -87,18 +84,6 @@ class Children:
     rank: np.ndarray  # int64 [C]: token rank, 0 = the best coupled guess, 1 = the runner-up, ...
     commit_child: np.ndarray  # int64 [P]: the child of each committed position
     commit_position: np.ndarray  # int64 [P]
-
-    @staticmethod
-    def of_rows(rows: list[list[Child]]) -> Children:
-        """From per-node lists of children (node b's list is ``rows[b]``)."""
-        flat = [(b, *child) for b, options in enumerate(rows) for child in options]
-        return Children(
-            node=np.array([f[0] for f in flat], dtype=np.int64),
-            logprob=np.array([f[1] for f in flat], dtype=np.float64),
-            rank=np.array([f[3] for f in flat], dtype=np.int64),
-            commit_child=np.array([c for c, f in enumerate(flat) for _ in f[2]], dtype=np.int64),
-            commit_position=np.array([p for f in flat for p in f[2]], dtype=np.int64),
-        )
 
     def select(self, chosen: np.ndarray) -> Children:
         """The children where ``chosen`` (bool [C]) holds, in order."""
@@ -153,7 +138,7 @@ def one_commit_children(
     """
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
-        scores = scorer(states, steps).cpu()  # [B, L]; ranked on the host
+        scores = scorer(states, steps).detach().cpu()  # [B, L]; ranked on the host
         node, values, positions = top_positions(scores, keep)  # [C] each
         rank = np.zeros_like(node)
         if alternatives > 1:
@@ -262,7 +247,7 @@ def grow_tree(
         if not admitted.all():
             proposed, path = proposed.select(admitted), path[admitted]
         made = _commit(states, proposed, guesses, step)  # [C, L]
-        grown.parent.append(grown.count - len(grown.logprob[-1]) + level[proposed.node])
+        grown.parent.append(grown.count - len(grown.logprob[-1]) + level[proposed.node])  # candidate indices
         grown.states.append(made)
         grown.logprob.append(path)
         grown.complete.append(~(made == context.mask_id).any(-1))

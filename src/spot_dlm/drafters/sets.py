@@ -95,7 +95,7 @@ def sets_children(join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: in
     """ChildProposer from a function (states [B, L], steps) -> join probabilities [B, L]."""
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
-        probs = join_probs(states, steps).cpu()  # [B, L]; sets are cut on the host
+        probs = join_probs(states, steps).detach().cpu()  # [B, L]; sets are cut on the host
         return batch_candidate_sets(probs, states.cpu() == mask_id, cutoffs, keep)
 
     return children
