@@ -41,7 +41,7 @@ def batch_candidate_sets(
     Every sum adds the same numbers in the same order as a node alone would (rows are summed in groups of equal
     length), so the scores do not depend on the batch.
     """
-    q = join_probs.to(torch.float64).clamp(1e-6, 1 - 1e-6)  # [B, L]
+    q = join_probs.detach().to(torch.float64).clamp(1e-6, 1 - 1e-6)  # [B, L]
     q_host, allowed_host = q.numpy(), allowed.numpy()
     order = np.argsort(np.where(allowed_host, -q_host, 1.0), axis=-1, kind="stable")  # [B, L], likeliest first
     reach = (q_host[:, None] >= np.array(cutoffs)[:, None]) & allowed_host[:, None]  # [B, S - 1, L]
