@@ -29,6 +29,14 @@ def _add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto (CUDA when available)")
 
 
+def _set_threads(threads: int) -> None:
+    """torch's intra-op threads; 0 keeps torch's default."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     _add_model_options(parser)
     parser.add_argument("--block-length", type=int, default=32)
@@ -172,10 +180,7 @@ def _bench(args: argparse.Namespace) -> int:
     from spot_dlm.bench.plots import plot_report
     from spot_dlm.bench.run import BenchConfig, format_table, reproduce_command, run_bench, write_report
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     bench = BenchConfig(
         methods=args.methods,
         budgets=args.budgets,
@@ -231,10 +236,7 @@ def _verify_cost(args: argparse.Namespace) -> int:
         plot_verify_cost,
     )
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     config = VerifyCostConfig(
         shapes=args.shapes,
         nodes=args.nodes,
@@ -257,10 +259,7 @@ def _verify_cost(args: argparse.Namespace) -> int:
 def _collect(args: argparse.Namespace) -> int:
     from spot_dlm.train.collect import CollectConfig, collect
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     target, codec = _load_model(args)
     config = CollectConfig(
         out_dir=Path(args.out),
@@ -318,10 +317,7 @@ def _evaluate_target(args: argparse.Namespace) -> int:
     from spot_dlm.train.data import heldout_items, train_questions
     from spot_dlm.train.evaluate import decode_report, heldout_nelbo
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     if args.n_prompts < 0:
         raise ValueError(f"--n-prompts must be >= 0 (0: held-out NELBO only), got {args.n_prompts}")
     target, codec = load_target(args.model)
