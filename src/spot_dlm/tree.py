@@ -13,9 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 
+def state_bytes(state: torch.Tensor) -> bytes:
+    """The block tokens of a state as int64 bytes (what identifies it within one rule step)."""
+    return state.to(torch.int64).cpu().numpy().tobytes()
+
+
 def state_key(state: torch.Tensor, step_index: int) -> tuple[int, bytes]:
     """Hashable identity of a node: (step index, block tokens)."""
-    return step_index, state.to(torch.int64).cpu().numpy().tobytes()
+    return step_index, state_bytes(state)
 
 
 @dataclass
@@ -51,8 +56,7 @@ class TreeBuilder:
         Returns the node index (existing one when merged), or None when the state is complete (its last commit
         is always free, so it never needs scoring) or the budget is spent.
         """
-        tokens = state_key(state, 0)[1]
-        return self.add_known(parent, state, tokens, not bool((state == self.mask_id).any()), steps_taken)
+        return self.add_known(parent, state, state_bytes(state), not bool((state == self.mask_id).any()), steps_taken)
 
     def add_known(
         self, parent: int, state: torch.Tensor, tokens: bytes, complete: bool, steps_taken: int = 1
