@@ -154,7 +154,7 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     if record_path.is_file():
         before = json.loads(record_path.read_text())
         check_same_collection(before, recorded)
-        recorded["n_prompts"] = max(before["n_prompts"], recorded["n_prompts"])
+        recorded["n_prompts"] = max(before["n_prompts"], recorded["n_prompts"])  # until the shards are counted
     record_path.write_text(json.dumps(recorded))
     prompts = collection_prompts(config.n_prompts, config.seed)
     shards = []
@@ -163,10 +163,10 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     jobs = [(t, tau, start) for t in config.temperatures for tau in taus for start in starts]
     jobs = jobs[config.worker :: config.workers]
     for temperature, tau, start in tqdm(jobs, desc="collect shards"):
-        path = config.out_dir / f"shard_T{temperature:g}_tau{tau:g}_{start:05d}.npz"
+        path = shard_path(config.out_dir, temperature, tau, start)
         shards.append(path)
-        if path.exists():
-            continue
+        if holds_prompts(path, start, min(start + config.prompts_per_shard, len(prompts))):
+            continue  # a shorter last shard of a smaller collection is collected again, whole
         gen_config = GenerateConfig(
             method=config.method,
             block_length=config.block_length,
@@ -195,7 +195,41 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
         with partial.open("wb") as handle:
             np.savez_compressed(handle, **arrays)
         partial.replace(path)
+    recorded["n_prompts"] = covered_prompts(config.out_dir, config.temperatures, taus, config.prompts_per_shard)
+    record_path.write_text(json.dumps(recorded))  # what the shards hold, not what was asked for
     return shards
+
+
+def shard_path(out_dir: Path, temperature: float, tau: float, start: int) -> Path:
+    return out_dir / f"shard_T{temperature:g}_tau{tau:g}_{start:05d}.npz"
+
+
+def shard_prompt_ids(path: Path) -> np.ndarray:
+    """The distinct prompt ids of one shard, sorted."""
+    with np.load(path, allow_pickle=False) as data:
+        return np.unique(data["prompt_id"])
+
+
+def holds_prompts(path: Path, first: int, end: int) -> bool:
+    """Whether the shard exists and holds every prompt in [first, end)."""
+    return path.exists() and bool(np.isin(np.arange(first, end), shard_prompt_ids(path)).all())
+
+
+def covered_prompts(out_dir: Path, temperatures, taus, per_shard: int) -> int:
+    """How many prompts, counted from the first, the folder's shards hold at every temperature and tau."""
+    covered = []
+    for temperature in temperatures:
+        for tau in taus:
+            end = 0
+            while (path := shard_path(out_dir, temperature, tau, end)).exists():
+                ids = shard_prompt_ids(path)
+                if not len(ids) or ids[0] != end:
+                    break
+                full, end = ids[-1] + 1 - end == per_shard, int(ids[-1]) + 1
+                if not full:  # a short last shard: no shard starts after it
+                    break
+            covered.append(end)
+    return min(covered)
 
 
 def load_shards(paths: list[Path]) -> dict[str, np.ndarray]:
