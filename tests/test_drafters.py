@@ -770,6 +770,28 @@ def test_collect_extends_a_folder_with_more_prompts(standard_shards, collect_tar
     assert json.loads((out / "collect_config.json").read_text())["n_prompts"] == 3
 
 
+def test_collect_records_what_the_shards_hold(standard_shards, collect_target, tiny_codec, tmp_path) -> None:
+    """An interrupted larger run leaves a record that claims more prompts than the shards hold; the next completed
+    run counts the shards instead."""
+    config, _ = standard_shards
+    out = tmp_path / "interrupted"
+    shutil.copytree(config.out_dir, out)
+    record = out / "collect_config.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "n_prompts": 10}))
+    run_collect(collect_target, tiny_codec, out, n_prompts=2)
+    assert json.loads(record.read_text())["n_prompts"] == 2
+
+
+def test_collect_extends_past_a_short_last_shard(collect_target, tiny_codec, tmp_path) -> None:
+    """3 prompts at 2 per shard leave a last shard holding one prompt; growing to 5 collects that shard again, whole,
+    so no prompt is skipped."""
+    out = tmp_path / "short"
+    run_collect(collect_target, tiny_codec, out, n_prompts=3, prompts_per_shard=2, temperatures=(0.0,))
+    _, grown = run_collect(collect_target, tiny_codec, out, n_prompts=5, prompts_per_shard=2, temperatures=(0.0,))
+    assert set(np.unique(load_shards(sorted(grown))["prompt_id"]).tolist()) == {0, 1, 2, 3, 4}
+    assert json.loads((out / "collect_config.json").read_text())["n_prompts"] == 5
+
+
 @pytest.mark.parametrize("change", [{"block_length": 4}, {"seed": 5}, {"prompt_order": None}])
 def test_collect_refuses_a_folder_made_with_other_settings(
     standard_shards, collect_target, tiny_codec, tmp_path, change
