@@ -413,6 +413,11 @@ def test_method_options_parse_variant_suffixes() -> None:
     assert method_options("spot-p3-m25") == ("spot", {"confidence_prior": 3, "min_path_prob": 0.25})
     assert method_options("spot-sets") == ("spot-sets", {})
     assert method_options("stale-sets") == ("stale-sets", {})
+    assert method_options("spot-ts0") == ("spot", {"token_survival": False})
+    assert method_options("spot-alt2-m30-ts1") == (
+        "spot",
+        {"alternatives": 2, "min_path_prob": 0.3, "token_survival": True},
+    )
 
 
 def test_merge_reports_keeps_every_row_and_config() -> None:

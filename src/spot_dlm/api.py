@@ -24,6 +24,7 @@ from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
 
 def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.order_model import SpotDrafter, freeze_order_model, load_order_model
+    from spot_dlm.drafters.token_survival import load_token_survival
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
     return SpotDrafter(
@@ -34,6 +35,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
         refresh_every=config.drafter_refresh,
         confidence_prior=config.confidence_prior,
         min_path_prob=config.min_path_prob,
+        token_survival=load_token_survival(folder) if config.token_survival else None,
     )
 
 
@@ -144,6 +146,7 @@ class GenerateConfig:
     drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR  # spot: weight of log(stale coupled confidence) in the order
     min_path_prob: float = 0.0  # spot: draft only nodes whose path probability reaches this (0: fill the budget)
+    token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 

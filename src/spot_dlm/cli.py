@@ -78,6 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
         alternatives=args.alternatives,
         confidence_prior=args.confidence_prior,
         min_path_prob=args.min_path_prob,
+        token_survival=not args.no_token_survival,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
@@ -279,6 +280,35 @@ def _collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_token_survival(args: argparse.Namespace) -> int:
+    from spot_dlm.drafters.token_survival import save_token_survival
+    from spot_dlm.train.collect import collection_prompts
+    from spot_dlm.train.token_survival import fit_token_survival, observe
+
+    _set_threads(args.threads)
+    out = _drafter_folder(args.out)
+    if not out.is_dir():
+        raise FileNotFoundError(f"drafter folder not found: {out}")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0 (the sampled kind), got {args.temperature}")
+    if args.n_prompts < 1:
+        raise ValueError(f"--n-prompts must be >= 1, got {args.n_prompts}")
+    target, codec = _load_model(args)
+    prompts = collection_prompts(args.n_prompts, args.seed)
+    shape = {"block_length": args.block_length, "gen_length": args.gen_length}
+    greedy = observe(target, codec, prompts, 0.0, args.seed, **shape)
+    sampled = observe(target, codec, prompts, args.temperature, args.seed, **shape)
+    survival = fit_token_survival(greedy, sampled)
+    print("kind     staleness  commits  top guess kept  scale  outside")
+    for kind, observations in (("greedy", greedy), ("sampled", sampled)):
+        for staleness, bucket in enumerate(getattr(survival, kind), start=1):
+            n = len(observations.arrays(staleness)[1])
+            kept = observations.top_survival(staleness)
+            print(f"{kind:8s} {staleness:9d} {n:8d} {kept:15.3f} {bucket.scale:6.3f} {bucket.outside:8.3f}")
+    print(f"wrote {save_token_survival(survival, out)}")
+    return 0
+
+
 def _train_drafter(args: argparse.Namespace) -> int:
     from spot_dlm.drafters.calibrated import rank_path_counts, save_rank_counts
     from spot_dlm.train.collect import load_shards
@@ -375,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="spot: draft only nodes whose path probability reaches this (0: fill the budget)",
     )
+    gen.add_argument(
+        "--no-token-survival",
+        action="store_true",
+        help="spot: ignore the drafter's token_survival.json (rank branches by position probability alone)",
+    )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
@@ -461,6 +496,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker", type=_worker, default=(0, 1), metavar="I/N", help="write shard I of every N (parallel processes)"
     )
     col.set_defaults(func=_collect)
+
+    ts = sub.add_parser(
+        "fit-token-survival", help="fit how often stale coupled guesses survive (scores SPOT's drafted tokens)"
+    )
+    _add_model_options(ts)
+    ts.add_argument("--out", required=True, help="drafter folder for token_survival.json ('builtin': the shipped one)")
+    ts.add_argument("--n-prompts", type=int, default=40, help="training prompts decoded per temperature")
+    ts.add_argument("--temperature", type=float, default=1.0, help="the sampled temperature to fit (T > 0)")
+    ts.add_argument("--block-length", type=int, default=32)
+    ts.add_argument("--gen-length", type=int, default=256)
+    ts.add_argument("--seed", type=int, default=1)
+    ts.add_argument("--threads", type=int, default=1)
+    ts.set_defaults(func=_fit_token_survival)
 
     ev = sub.add_parser("evaluate-target", help="held-out NELBO, accuracy, well-formedness, stale agreement")
     ev.add_argument("--model", default=None)

@@ -155,10 +155,12 @@ class Setting:
 def method_options(method: str) -> tuple[str, dict]:
     """Variant suffixes: ``spot-alt2`` tries runner-up tokens (alternatives=2); ``spot-r2`` runs the order model
     every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
-    (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent).
-    They combine in the order -pN, -altN, -rN, -mN: ``spot-p3-alt2-r2-m50``."""
+    (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent);
+    ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False).
+    They combine in the order -pN, -altN, -rN, -mN, -tsN: ``spot-p3-alt2-r2-m50-ts0``."""
     base, options = method, {}
     suffixes = (
+        ("-ts", "token_survival"),
         ("-m", "min_path_prob"),
         ("-r", "drafter_refresh"),
         ("-alt", "alternatives"),
@@ -167,8 +169,12 @@ def method_options(method: str) -> tuple[str, dict]:
     for suffix, key in suffixes:
         head, sep, value = base.rpartition(suffix)
         if sep and value.isdigit():
-            base, options[key] = head, int(value) / 100 if key == "min_path_prob" else int(value)
+            base, options[key] = head, _option_value(key, int(value))
     return base, options
+
+
+def _option_value(key: str, value: int):
+    return {"min_path_prob": value / 100, "token_survival": bool(value)}.get(key, value)
 
 
 def threshold_family(method: str) -> str | None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
+from spot_dlm.drafters.token_survival import SURVIVAL_RANKS, TokenSurvival
 from spot_dlm.rules import Proposal, propose
 from spot_dlm.tree import DraftTree, TreeBuilder
 
@@ -30,7 +31,7 @@ class StaleGuesses:
 
     context: DraftContext
     _cache: dict[int, Proposal] = field(default_factory=dict)
-    _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _ranked: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)  # tokens, logprob, score
 
     def at(self, step_index: int) -> Proposal:
         """Tokens int64 [L] and confidence float64 [L] under the noise of ``step_index``, at the positions masked in
@@ -47,20 +48,31 @@ class StaleGuesses:
     def ranked(self, step_index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The n best coupled tokens per position (rank 0 is ``at(step).tokens``) and their stale log-probs.
 
-        Returns tokens int64 [n, L] and log-probabilities float64 [n, L] under the stale distribution.
+        Returns tokens int64 [n, L] and log-probabilities float64 [n, L] under the stale distribution; rows of
+        positions not masked in the stale state are meaningless (no node commits them).
         """
+        tokens, logprob, _ = self._ranked_at(step_index, n)
+        return tokens, logprob
+
+    def ranked_scores(self, step_index: int, n: int) -> torch.Tensor:
+        """The coupled scores of the n best guesses per position, best first: ``Z / T + gumbel`` (T > 0) or ``Z``
+        (T = 0) of the stale logits. -> float64 [n, L] (what ``TokenSurvival`` reads)"""
+        return self._ranked_at(step_index, n)[2]
+
+    def _ranked_at(self, step_index: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx = self.context
         step_index = step_index if ctx.rule.needs_noise else 0
         if (step_index, n) not in self._ranked:
             z = ctx.stale_logits.to(torch.float64, copy=True)
             z[:, ctx.mask_id] = float("-inf")
             score = z
-            if ctx.rule.needs_noise:
-                score = z / ctx.rule.temperature + ctx.gumbel(step_index)
-            tokens = score.topk(n, dim=-1).indices  # [L, n]; ties resolved like argmax for rank 0 below
+            if ctx.rule.needs_noise:  # rows of the positions masked in the stale state (no other commits)
+                score = z / ctx.rule.temperature + ctx.gumbel(step_index, ctx.parent == ctx.mask_id)
+            best = score.topk(n, dim=-1)  # [L, n]; ties resolved like argmax for rank 0 below
+            tokens = best.indices
             tokens[:, 0] = self.at(step_index).tokens
             logprob = torch.log_softmax(z, dim=-1).gather(-1, tokens)  # [L, n]
-            self._ranked[(step_index, n)] = (tokens.T.contiguous(), logprob.T.contiguous())
+            self._ranked[(step_index, n)] = (tokens.T.contiguous(), logprob.T.contiguous(), best.values.T.contiguous())
         return self._ranked[(step_index, n)]
 
     def tokens(self, step_index: int, rank: int) -> torch.Tensor:
@@ -129,20 +141,37 @@ def _top_of_rows(scores: torch.Tensor, rows: np.ndarray, count: int) -> tuple[np
 
 
 def one_commit_children(
-    scorer: PositionScorer, keep: int, guesses: StaleGuesses | None = None, alternatives: int = 1
+    scorer: PositionScorer,
+    keep: int,
+    guesses: StaleGuesses | None = None,
+    alternatives: int = 1,
+    token_survival: TokenSurvival | None = None,
 ) -> ChildProposer:
     """Children that each commit one position: the ``keep`` most likely positions of every node.
 
-    With ``alternatives`` > 1 each position is also tried with its runner-up coupled tokens, scored by
-    ``log q(position) + log p_stale(token)``; with 1, children carry the best guess and the position score only.
+    A child's log-probability is its position's plus, when a token model is given, its token's: with
+    ``token_survival`` the fitted probability that the guess of that rank is still the target's token (see
+    ``drafters/token_survival.py``); without it, for ``alternatives`` > 1 only, the token's stale log-probability.
+    With ``alternatives`` = A > 1 each position is tried with its A best coupled guesses.
     """
+    if token_survival is not None and guesses is None:
+        raise ValueError("scoring tokens by survival needs the stale guesses")
+
+    def token_logprobs(step: int) -> np.ndarray:
+        """log P(guess r is the committed token) at each position for a commit at ``step``. -> float64 [A, L]"""
+        if token_survival is None:
+            return guesses.ranked(step, alternatives)[1].cpu().numpy()
+        context = guesses.context
+        scores = guesses.ranked_scores(step, max(alternatives, SURVIVAL_RANKS))  # [R, L]
+        staleness = step - context.root_step + 1  # commits since the stale pass
+        return token_survival.log_probs(scores, context.rule.temperature, staleness)[:alternatives].cpu().numpy()
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
         scores = scorer(states, steps).detach().cpu()  # [B, L]; ranked on the host
         node, values, positions = top_positions(scores, keep)  # [C] each
         rank = np.zeros_like(node)
-        if alternatives > 1:
-            table = {s: guesses.ranked(s, alternatives)[1].cpu().numpy() for s in set(steps)}  # step -> [A, L]
+        if alternatives > 1 or token_survival is not None:
+            table = {s: token_logprobs(s) for s in set(steps)}  # step -> [A, L]
             token_logprob = np.stack([table[s] for s in steps])[node, :, positions]  # [C, A]
             values = (values[:, None] + token_logprob).ravel()  # [C * A]: each position's ranks in turn
             node, positions = np.repeat(node, alternatives), np.repeat(positions, alternatives)
@@ -210,6 +239,7 @@ def grow_tree(
     children: ChildProposer | None = None,
     alternatives: int = 1,
     min_path_prob: float = 0.0,
+    token_survival: TokenSurvival | None = None,
 ) -> DraftTree:
     """Best-first tree under a node budget (root included) and a depth limit.
 
@@ -217,7 +247,8 @@ def grow_tree(
     drafter is unsure: on hardware where every scored node costs (a CPU), a node worth less than its cost is left out.
 
     Every edge commits one position (``position_logprobs``) or a set of positions (``children``) with their stale
-    coupled tokens; a node's score is its path log-probability. The proposer runs once per depth on the (at most
+    coupled tokens; a node's score is its path log-probability (with ``token_survival``, the token's survival
+    counts too: see ``one_commit_children``). The proposer runs once per depth on the (at most
     budget - 1) best nodes of that depth, batched; the tree keeps the budget - 1 best candidates overall (parents
     always score at least as high as their children).
 
@@ -227,7 +258,7 @@ def grow_tree(
     """
     guesses = guesses if guesses is not None else StaleGuesses(context)
     if children is None:
-        children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
+        children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives, token_survival)
     min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
     root = context.root.cpu()
     grown = _Levels([root.numpy()[None]], [np.zeros(1)], [np.full(1, -1)], [np.zeros(1, dtype=bool)])

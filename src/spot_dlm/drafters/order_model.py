@@ -20,6 +20,7 @@ from torch import nn
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import TOP_K_FEATURES, StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.token_survival import TokenSurvival
 from spot_dlm.models.checkpoint import check_state_dict, load_weights
 from spot_dlm.tree import DraftTree
 
@@ -319,6 +320,9 @@ class SpotDrafter:
     ``confidence_prior`` = w adds ``w * log(stale confidence of the coupled token)`` to the order logits: the
     stale estimate of the very score the one-commit rule ranks positions by. It matters most at T > 0, where
     that score belongs to a noise-coupled sample the order model (which has no temperature input) reads poorly.
+
+    ``token_survival`` multiplies each edge's position probability by the fitted probability that its stale coupled
+    token is still the target's choice, so the budget goes to branches whose tokens are likely to hold.
     """
 
     model: OrderModel | FrozenOrderModel
@@ -328,6 +332,7 @@ class SpotDrafter:
     refresh_every: int = 1
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR
     min_path_prob: float = 0.0  # leave out nodes whose path probability is below this (cost-aware trees)
+    token_survival: TokenSurvival | None = None  # scores each drafted token by how likely it survives (None: not)
     name: str = "spot"
 
     @torch.no_grad()
@@ -384,4 +389,5 @@ class SpotDrafter:
             guesses,
             alternatives=self.alternatives,
             min_path_prob=self.min_path_prob,
+            token_survival=self.token_survival,
         )
