@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -25,9 +25,11 @@ import torch.nn.functional as F
 
 import spot_dlm.decode as decode_module
 from spot_dlm.decode import DecodeSettings, DecodeStats, DraftContext, NoDrafter, RawGeneration, decode_ids
+from spot_dlm.drafters.base import StaleGuesses
 from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
 from spot_dlm.drafters.sets import SetsDrafter, StaleSetsDrafter
-from spot_dlm.drafters.simple import OracleDrafter, RandomDrafter, StaleConfidenceDrafter
+from spot_dlm.drafters.simple import OracleDrafter, RandomDrafter, StaleConfidenceDrafter, true_states
+from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
 from spot_dlm.noise import NoiseKey
@@ -39,6 +41,10 @@ torch.set_num_threads(1)
 TEMPERATURES = (0.0, 0.7, 1.0, 1.5)
 SCORINGS = ("batched", "packed")
 DRAFTERS = ("oracle", "random", "stale", "spot-init", "spot-trained")
+SURVIVAL = TokenSurvival(
+    greedy=(SurvivalBucket(0.3, 0.05), SurvivalBucket(1.0, 0.2)),
+    sampled=(SurvivalBucket(2.0, 0.3), SurvivalBucket(0.5, 0.0), SurvivalBucket(5.0, 0.6)),
+)
 SET_DRAFTERS = ("oracle", "random", "stale", "stale-sets", "spot-sets")  # for threshold rules (SPOT-Sets)
 THRESHOLD_RULES = {
     "threshold-0.3": {"kind": "threshold", "tau": 0.3},
@@ -158,9 +164,10 @@ def random_order_model(seed: int = 0) -> OrderModel:
 
 
 def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained: OrderModel | None, salt: int = 0):
-    if name == "oracle":
+    if name in ("oracle", "order-oracle"):
         ref = reference(case, rule, scoring)
-        return OracleDrafter({case.request: ref}, case.block_length, budget=case.budget, depth=case.depth)
+        stale_tokens = name == "order-oracle"
+        return OracleDrafter({case.request: ref}, case.block_length, case.budget, case.depth, stale_tokens, name)
     if name == "random":
         return RandomDrafter(budget=case.budget, depth=case.depth, token_noise=0.3, salt=salt)
     if name == "stale":
@@ -181,6 +188,12 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
     if name == "spot-min30":  # cost-aware trees: nodes below path probability 0.3 left out (often root only)
         model = trained if trained is not None else random_order_model(case.seed % 2)
         return SpotDrafter(model, budget=case.budget, depth=case.depth, min_path_prob=0.3)
+    if name in ("spot-ts", "spot-ts-alt3"):  # tokens weighed by a (made-up, lopsided) token-survival fit
+        model = trained if trained is not None else random_order_model(case.seed % 2)
+        alternatives = 3 if name == "spot-ts-alt3" else 1
+        return SpotDrafter(
+            model, budget=case.budget, depth=case.depth, alternatives=alternatives, token_survival=SURVIVAL
+        )
     if name == "stale-alt3":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":
@@ -348,10 +361,14 @@ def test_speculative_equals_standard(temperature, drafter_name, scoring, trained
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)
-@pytest.mark.parametrize("drafter_name", ("spot-alt2-r2", "spot-prior3", "spot-min30", "stale-alt3"))
+@pytest.mark.parametrize(
+    "drafter_name",
+    ("spot-alt2-r2", "spot-prior3", "spot-min30", "stale-alt3", "spot-ts", "spot-ts-alt3", "order-oracle"),
+)
 @pytest.mark.parametrize("temperature", (0.0, 1.0))
 def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, trained):
-    """Token alternatives, level-skipping order models and cost-aware trees change only what is drafted."""
+    """Token alternatives, level-skipping order models, cost-aware trees and token-survival weights change only
+    what is drafted."""
     rule = CommitRule("one", temperature=temperature)
     for seed in range(20, 23):
         case = make_case(seed, kind="deep") if seed % 2 else make_case(seed)
@@ -398,6 +415,51 @@ def test_peaky_targets_accept_deep(scoring):
         assert max(totals["stale"].accepted_lengths) >= 3, (temperature, totals["stale"].to_dict())
         assert totals["oracle"].mean_accepted > 1.5
         assert totals["random"].mean_accepted >= 1.0
+
+
+@dataclass
+class TreeRecorder:
+    """Wraps a drafter and keeps every (context, tree) it proposed."""
+
+    inner: object
+    name: str = "recorder"
+    trees: list = field(default_factory=list)
+
+    def propose(self, context: DraftContext):
+        self.trees.append((context, self.inner.propose(context)))
+        return self.trees[-1][1]
+
+
+@pytest.mark.parametrize("temperature", (0.0, 1.0))
+def test_order_oracle_drafts_the_true_order_with_stale_tokens(temperature):
+    """Each tree is one chain: edge k commits the position the true step commits, with the stale coupled guess;
+    the chain stops after its first node off the true trajectory. It never beats the full oracle, and on a peaky
+    target its guesses often hold."""
+    rule = CommitRule("one", temperature=temperature)
+    off_trajectory, passes = 0, {"oracle": 0, "order-oracle": 0}
+    for seed in range(4):
+        case = make_case(seed, kind="deep", block_length=8, gen_length=24, budget=16, depth=8, stop_at_eos=False)
+        ref = reference(case, rule, "batched")
+        recorder = TreeRecorder(make_drafter("order-oracle", case, rule, "batched", None))
+        assert_exact(case, rule, "batched", recorder)
+        for context, tree in recorder.trees:
+            truth = true_states(ref, context.block_index, case.block_length, MASK_ID)
+            guesses = StaleGuesses(context)
+            for node in range(1, len(tree)):
+                assert tree.parents[node] == node - 1
+                step = context.root_step + node - 1
+                position = truth[step + 1] != truth[step]
+                changed = tree.states[node] != tree.states[node - 1]
+                assert torch.equal(changed, position & (guesses.at(step).tokens != MASK_ID))
+                assert torch.equal(tree.states[node][position], guesses.at(step).tokens[position])
+                on_trajectory = torch.equal(tree.states[node], truth[step + 1])
+                assert on_trajectory or node == len(tree) - 1
+                off_trajectory += not on_trajectory
+        for name in passes:
+            out = assert_exact(case, rule, "batched", make_drafter(name, case, rule, "batched", None))[1]
+            passes[name] += out.stats.target_passes
+    assert off_trajectory > 0
+    assert passes["order-oracle"] >= passes["oracle"]
 
 
 def test_eos_stop_is_exercised():

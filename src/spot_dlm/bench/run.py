@@ -25,7 +25,7 @@ from spot_dlm.decode import Drafter, RawGeneration
 from spot_dlm.drafters.simple import OracleDrafter
 
 TASKS = ("gsm8k", "gsm_symbolic", "humaneval")
-SPECULATIVE = ("spot", "stale", "chain", "calibrated", "oracle")
+SPECULATIVE = ("spot", "stale", "chain", "calibrated", "oracle", "order-oracle")
 THRESHOLD_FAMILY = {
     "spot-sets": "threshold",
     "stale-sets": "threshold",
@@ -188,7 +188,7 @@ def make_setting(
     """Config and drafter of one row. ``references`` (request index -> reference decoding) is filled by the caller
     prompt by prompt; only the oracles read it."""
     base, options = method_options(method)
-    gen_method = {"sets-oracle": "threshold", "oracle": "standard"}.get(base, base)
+    gen_method = {"sets-oracle": "threshold", "oracle": "standard", "order-oracle": "standard"}.get(base, base)
     config = GenerateConfig(
         **options,
         method=gen_method,
@@ -201,8 +201,11 @@ def make_setting(
         tau=0.9 if tau is None else tau,
         drafter=bench.drafter,
     )
-    if base in ("oracle", "sets-oracle"):
-        drafter = OracleDrafter(references, config.block_length, budget=config.budget, depth=config.depth)
+    if base in ("oracle", "sets-oracle", "order-oracle"):
+        stale_tokens = base == "order-oracle"
+        drafter = OracleDrafter(
+            references, config.block_length, config.budget, config.depth, stale_tokens=stale_tokens, name=base
+        )
     else:
         drafter = make_drafter(config, target)
     family = threshold_family(method)

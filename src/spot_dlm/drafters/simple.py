@@ -1,4 +1,5 @@
-"""Training-free drafters: stale-confidence order, random order, and the oracle (the true trajectory)."""
+"""Training-free drafters: stale-confidence order, random order, and the oracles (the true trajectory; the true
+order with stale tokens)."""
 
 from __future__ import annotations
 
@@ -79,12 +80,19 @@ def true_states(reference: RawGeneration, block_index: int, block_length: int, m
 
 @dataclass
 class OracleDrafter:
-    """Drafts the true trajectory (from a reference run of the same rule): the ceiling for any drafter."""
+    """Drafts the true trajectory (from a reference run of the same rule): the ceiling for any drafter.
+
+    With ``stale_tokens`` it knows the true commit *order* only and commits the stale coupled guesses, as every
+    drafter must (the "order oracle"): its chain leaves the trajectory at the first guess the target changes. The
+    gap between the two is what stale tokens cost; the gap between the order oracle and a drafter is what its order
+    predictions cost.
+    """
 
     references: dict[int, RawGeneration]  # request index -> reference decoding of that request
     block_length: int
     budget: int = 16
     depth: int = 8
+    stale_tokens: bool = False
     name: str = "oracle"
     _states: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
@@ -93,15 +101,21 @@ class OracleDrafter:
         if key not in self._states:
             reference = self.references[context.noise.request]
             self._states[key] = true_states(reference, context.block_index, self.block_length, context.mask_id)
-        states = self._states[key]
+        states = [state.to(context.root.device) for state in self._states[key]]
+        guesses = StaleGuesses(context) if self.stale_tokens else None
         builder = TreeBuilder(context.root, context.root_step, context.mask_id, self.budget)
-        node = 0
+        node, state = 0, context.root
         for offset in range(1, self.depth + 1):
             index = context.root_step + offset
             if index >= len(states) or builder.full:
                 break
-            node = builder.add(node, states[index].to(context.root.device))
-            if node is None:
+            if guesses is None:
+                state = states[index]
+            else:  # the true next position, the stale guess's token (off the trajectory once a guess is wrong)
+                position = states[index] != states[index - 1]
+                state = torch.where(position, guesses.at(index - 1).tokens, state)
+            node = builder.add(node, state)
+            if node is None or not torch.equal(state, states[index]):
                 break
         return builder.build()
 
