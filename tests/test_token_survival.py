@@ -28,7 +28,7 @@ from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
 from spot_dlm.noise import BlockNoise, NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.train.token_survival import SurvivalObservations, fit_token_survival
-from test_drafters import MASK, make_context, state_scorer
+from test_drafters import MASK, L, make_context, state_scorer
 
 torch.set_num_threads(1)
 
@@ -117,7 +117,7 @@ def test_edges_carry_position_plus_token_survival(temperature: float, alternativ
     proposed = children(context.root[None], [context.root_step])
     position_logprob = scorer(context.root[None], [context.root_step])[0]
     token_logprob = SURVIVAL.log_probs(
-        guesses.ranked_scores(context.root_step, max(alternatives, SURVIVAL_RANKS)), temperature, 1
+        guesses.best_scores(context.root_step, torch.arange(L), max(alternatives, SURVIVAL_RANKS)), temperature, 1
     )
     assert len(proposed.node) == 4 * alternatives
     for value, rank, position in zip(proposed.logprob, proposed.rank, proposed.commit_position):
@@ -136,7 +136,7 @@ def test_survival_moves_the_budget_to_branches_whose_tokens_hold(temperature: fl
     survival = TokenSurvival(greedy=(SurvivalBucket(1.0, 0.0),), sampled=(SurvivalBucket(1.0, 0.0),))
     tree = grow_tree(context, 2, 1, scorer, guesses, token_survival=survival)
     position_logprob = scorer(context.root[None], [1])[0]
-    token_logprob = survival.log_probs(guesses.ranked_scores(1, SURVIVAL_RANKS), temperature, 1)[0]
+    token_logprob = survival.log_probs(guesses.best_scores(1, torch.arange(L), SURVIVAL_RANKS), temperature, 1)[0]
     (position,) = torch.nonzero(tree.states[1] != context.root).flatten().tolist()
     assert position == int(torch.argmax(position_logprob + token_logprob))
     assert tree.states[1][position] == guesses.at(1).tokens[position]
@@ -248,3 +248,20 @@ def test_spot_drafter_reads_the_fit_beside_the_order_model(make_target, tmp_path
     config = GenerateConfig(method="spot", drafter=str(folder), token_survival=enabled)
     drafter = make_drafter(config, make_target())
     assert drafter.token_survival == (SURVIVAL if with_file and enabled else None)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_best_scores_are_the_coupled_scores_of_the_ranked_guesses(temperature: float, seed: int) -> None:
+    """best_scores at any subset of positions, in any order, are the scores ``Z / T + gumbel`` of the guesses that
+    ``ranked`` returns there, best first (rank 0 = the drafter's guess)."""
+    context = make_context(temperature, seed=seed, root_step=2)
+    guesses = StaleGuesses(context)
+    positions = torch.tensor([5, 0, 3, 5])
+    z = context.stale_logits.to(torch.float64).clone()
+    z[:, MASK] = float("-inf")
+    if temperature > 0:
+        z = z / temperature + context.gumbel(2)
+    tokens = guesses.ranked(2, 3)[0]  # [3, L]
+    expected = torch.stack([z[p, tokens[:, p]] for p in positions.tolist()], dim=1)  # [3, P]
+    assert torch.equal(guesses.best_scores(2, positions, 3), expected)

@@ -31,7 +31,7 @@ class StaleGuesses:
 
     context: DraftContext
     _cache: dict[int, Proposal] = field(default_factory=dict)
-    _ranked: dict[tuple[int, int], tuple[torch.Tensor, ...]] = field(default_factory=dict)  # tokens, logprob, score
+    _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def at(self, step_index: int) -> Proposal:
         """Tokens int64 [L] and confidence float64 [L] under the noise of ``step_index``, at the positions masked in
@@ -51,29 +51,32 @@ class StaleGuesses:
         Returns tokens int64 [n, L] and log-probabilities float64 [n, L] under the stale distribution; rows of
         positions not masked in the stale state are meaningless (no node commits them).
         """
-        tokens, logprob, _ = self._ranked_at(step_index, n)
-        return tokens, logprob
-
-    def ranked_scores(self, step_index: int, n: int) -> torch.Tensor:
-        """The coupled scores of the n best guesses per position, best first: ``Z / T + gumbel`` (T > 0) or ``Z``
-        (T = 0) of the stale logits. -> float64 [n, L] (what ``TokenSurvival`` reads)"""
-        return self._ranked_at(step_index, n)[2]
-
-    def _ranked_at(self, step_index: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         ctx = self.context
         step_index = step_index if ctx.rule.needs_noise else 0
         if (step_index, n) not in self._ranked:
             z = ctx.stale_logits.to(torch.float64, copy=True)
             z[:, ctx.mask_id] = float("-inf")
-            score = z
-            if ctx.rule.needs_noise:  # rows of the positions masked in the stale state (no other commits)
-                score = z / ctx.rule.temperature + ctx.gumbel(step_index, ctx.parent == ctx.mask_id)
-            best = score.topk(n, dim=-1)  # [L, n]; ties resolved like argmax for rank 0 below
-            tokens = best.indices
+            tokens = self._coupled_scores(step_index, z).topk(n, dim=-1).indices  # [L, n]; ties: argmax for rank 0
             tokens[:, 0] = self.at(step_index).tokens
             logprob = torch.log_softmax(z, dim=-1).gather(-1, tokens)  # [L, n]
-            self._ranked[(step_index, n)] = (tokens.T.contiguous(), logprob.T.contiguous(), best.values.T.contiguous())
+            self._ranked[(step_index, n)] = (tokens.T.contiguous(), logprob.T.contiguous())
         return self._ranked[(step_index, n)]
+
+    def best_scores(self, step_index: int, positions: torch.Tensor, n: int) -> torch.Tensor:
+        """The coupled scores of the n best guesses at some positions masked in the stale state, best first
+        (what ``TokenSurvival`` reads). positions int64 [P] -> float64 [n, P]"""
+        z = self.context.stale_logits[positions].to(torch.float64)  # [P, V], a copy
+        z[:, self.context.mask_id] = float("-inf")
+        return self._coupled_scores(step_index, z, positions).topk(n, dim=-1).values.T
+
+    def _coupled_scores(self, step_index: int, z: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """What the coupled guess maximises: ``z / T + gumbel`` (T > 0) or ``z`` (T = 0). z float64 [L or P, V] with
+        the rows of all positions or of ``positions`` (int64 [P])."""
+        ctx = self.context
+        if not ctx.rule.needs_noise:
+            return z
+        noise = ctx.gumbel(step_index, ctx.parent == ctx.mask_id)  # [L, V]: the stale-masked rows are drawn
+        return z / ctx.rule.temperature + (noise if positions is None else noise[positions])
 
     def tokens(self, step_index: int, rank: int) -> torch.Tensor:
         """Coupled token guesses of a given rank for every position. -> int64 [L]"""
@@ -157,22 +160,25 @@ def one_commit_children(
     if token_survival is not None and guesses is None:
         raise ValueError("scoring tokens by survival needs the stale guesses")
 
-    def token_logprobs(step: int) -> np.ndarray:
-        """log P(guess r is the committed token) at each position for a commit at ``step``. -> float64 [A, L]"""
+    def token_logprobs(step: int, positions: np.ndarray) -> np.ndarray:
+        """log P(guess r is the committed token) for commits at ``step`` at the given positions. -> float64 [P, A]"""
         if token_survival is None:
-            return guesses.ranked(step, alternatives)[1].cpu().numpy()
+            return guesses.ranked(step, alternatives)[1].cpu().numpy()[:, positions].T
         context = guesses.context
-        scores = guesses.ranked_scores(step, max(alternatives, SURVIVAL_RANKS))  # [R, L]
+        scores = guesses.best_scores(step, torch.from_numpy(positions), max(alternatives, SURVIVAL_RANKS))  # [R, P]
         staleness = step - context.root_step + 1  # commits since the stale pass
-        return token_survival.log_probs(scores, context.rule.temperature, staleness)[:alternatives].cpu().numpy()
+        return token_survival.log_probs(scores, context.rule.temperature, staleness)[:alternatives].T.cpu().numpy()
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
         scores = scorer(states, steps).detach().cpu()  # [B, L]; ranked on the host
         node, values, positions = top_positions(scores, keep)  # [C] each
         rank = np.zeros_like(node)
         if alternatives > 1 or token_survival is not None:
-            table = {s: token_logprobs(s) for s in set(steps)}  # step -> [A, L]
-            token_logprob = np.stack([table[s] for s in steps])[node, :, positions]  # [C, A]
+            child_step = np.asarray(steps)[node]  # [C]
+            token_logprob = np.empty((len(node), alternatives))  # [C, A]
+            for step in np.unique(child_step).tolist():
+                same = child_step == step
+                token_logprob[same] = token_logprobs(step, positions[same])
             values = (values[:, None] + token_logprob).ravel()  # [C * A]: each position's ranks in turn
             node, positions = np.repeat(node, alternatives), np.repeat(positions, alternatives)
             rank = np.tile(np.arange(alternatives), len(token_logprob))
