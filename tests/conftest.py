@@ -79,3 +79,13 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory, tiny_codec: TextCod
     save_checkpoint(model, folder)
     tiny_codec.save(folder / TOKENIZER_FILE)
     return folder
+
+
+@pytest.fixture(scope="session")
+def long_checkpoint(tmp_path_factory, tiny_codec) -> Path:
+    """A random checkpoint whose context fits GSM8K training prompts under the tiny tokenizer."""
+
+    folder = tmp_path_factory.mktemp("long") / "ckpt"
+    save_checkpoint(random_model(tiny_codec.vocab_size, seed=5, dtype=torch.float32, max_seq_len=1024), folder)
+    tiny_codec.save(folder / TOKENIZER_FILE)
+    return folder

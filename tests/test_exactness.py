@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import spot_dlm.decode as decode_module
 from spot_dlm.decode import DecodeSettings, DecodeStats, DraftContext, NoDrafter, RawGeneration, decode_ids
 from spot_dlm.drafters.base import StaleGuesses
+from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens
 from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
 from spot_dlm.drafters.sets import SetsDrafter, StaleSetsDrafter
 from spot_dlm.drafters.simple import OracleDrafter, RandomDrafter, StaleConfidenceDrafter, true_states
@@ -163,11 +164,30 @@ def random_order_model(seed: int = 0) -> OrderModel:
     return OrderModel(OrderModelConfig(top_k=ORDER_TOP_K, d_model=32, n_layers=1, n_heads=2)).eval()
 
 
+@functools.cache
+def markov_bigram(vocab: int, seed: int) -> BigramTable:
+    """Bigram counts of a skewed random Markov chain over the vocabulary: strong, arbitrary neighbour preferences,
+    so the neighbour correction often overturns stale guesses."""
+    rng = np.random.default_rng(seed)
+    transition = rng.dirichlet(np.full(vocab, 0.2), size=vocab)  # [V, V], each row peaked on a few tokens
+    stream = [int(rng.integers(vocab))]
+    for _ in range(4000):
+        stream.append(int(rng.choice(vocab, p=transition[stream[-1]])))
+    return BigramTable.from_stream(np.asarray(stream), vocab)
+
+
+def neighbour_tokens(case: Case) -> NeighbourTokens:
+    return NeighbourTokens(markov_bigram(case.vocab, case.seed % 3), weight_greedy=2.0, weight_sampled=1.5)
+
+
 def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained: OrderModel | None, salt: int = 0):
-    if name in ("oracle", "order-oracle"):
+    if name in ("oracle", "order-oracle", "order-oracle-nb"):
         ref = reference(case, rule, scoring)
-        stale_tokens = name == "order-oracle"
-        return OracleDrafter({case.request: ref}, case.block_length, case.budget, case.depth, stale_tokens, name)
+        stale_tokens = name != "oracle"
+        neighbours = neighbour_tokens(case) if name == "order-oracle-nb" else None
+        return OracleDrafter(
+            {case.request: ref}, case.block_length, case.budget, case.depth, stale_tokens, name, neighbours
+        )
     if name == "random":
         return RandomDrafter(budget=case.budget, depth=case.depth, token_noise=0.3, salt=salt)
     if name == "stale":
@@ -194,6 +214,10 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
         return SpotDrafter(
             model, budget=case.budget, depth=case.depth, alternatives=alternatives, token_survival=SURVIVAL
         )
+    if name in ("spot-nb", "spot-nb-ts-alt2"):  # tokens re-ranked by fresh neighbours under a made-up bigram
+        model = trained if trained is not None else random_order_model(case.seed % 2)
+        extra = {"alternatives": 2, "token_survival": SURVIVAL} if name == "spot-nb-ts-alt2" else {}
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
     if name == "stale-alt3":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":
@@ -363,7 +387,7 @@ def test_speculative_equals_standard(temperature, drafter_name, scoring, trained
 @pytest.mark.parametrize("scoring", SCORINGS)
 @pytest.mark.parametrize(
     "drafter_name",
-    ("spot-alt2-r2", "spot-prior3", "spot-min30", "stale-alt3", "spot-ts", "spot-ts-alt3", "order-oracle"),
+    ("spot-alt2-r2", "spot-prior3", "spot-min30", "stale-alt3", "spot-ts", "spot-ts-alt3", "order-oracle", "spot-nb"),
 )
 @pytest.mark.parametrize("temperature", (0.0, 1.0))
 def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, trained):
@@ -372,6 +396,18 @@ def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, tra
     rule = CommitRule("one", temperature=temperature)
     for seed in range(20, 23):
         case = make_case(seed, kind="deep") if seed % 2 else make_case(seed)
+        assert_exact(case, rule, scoring, make_drafter(drafter_name, case, rule, scoring, trained))
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("drafter_name", ("spot-nb", "spot-nb-ts-alt2", "order-oracle-nb"))
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+def test_neighbour_tokens_equal_standard(temperature, drafter_name, scoring, trained):
+    """Tokens re-ranked by the branch's fresh neighbours change only what is drafted, at every temperature."""
+    rule = CommitRule("one", temperature=temperature)
+    t_index = TEMPERATURES.index(temperature)
+    for seed in range(30 + 3 * t_index, 33 + 3 * t_index):
+        case = make_case(seed, kind=("deep", "peaky", "sharp")[seed % 3])
         assert_exact(case, rule, scoring, make_drafter(drafter_name, case, rule, scoring, trained))
 
 

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import random_model
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, make_drafter
 from spot_dlm.decode import DecodeSettings, DraftContext, NoDrafter, decode_ids
@@ -24,7 +23,6 @@ from spot_dlm.drafters.token_survival import (
     survival_log_probs,
 )
 from spot_dlm.models.builtin import BuiltinTarget
-from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
 from spot_dlm.noise import BlockNoise, NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.train.token_survival import SurvivalObservations, fit_token_survival
@@ -200,16 +198,6 @@ def test_fit_on_a_real_decode_is_calibrated(make_target) -> None:
     predicted = survival_log_probs(torch.from_numpy(scores).T, fitted)[0].exp().mean()
     assert len(rank) > 100
     assert float(predicted) == pytest.approx(observations.top_survival(1), abs=0.05)
-
-
-@pytest.fixture(scope="module")
-def long_checkpoint(tmp_path_factory, tiny_codec) -> Path:
-    """A random checkpoint whose context fits GSM8K training prompts under the tiny tokenizer."""
-
-    folder = tmp_path_factory.mktemp("long") / "ckpt"
-    save_checkpoint(random_model(tiny_codec.vocab_size, seed=5, dtype=torch.float32, max_seq_len=1024), folder)
-    tiny_codec.save(folder / TOKENIZER_FILE)
-    return folder
 
 
 def test_cli_fit_token_survival_writes_a_loadable_fit(capsys, long_checkpoint: Path, tmp_path: Path) -> None:

@@ -23,10 +23,16 @@ from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
 
 
 def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    from spot_dlm.drafters.neighbours import load_neighbour_fit
     from spot_dlm.drafters.order_model import SpotDrafter, freeze_order_model, load_order_model
     from spot_dlm.drafters.token_survival import load_token_survival
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
+    survival = load_token_survival(folder) if config.token_survival else None
+    fit = load_neighbour_fit(folder, target.vocab_size) if config.neighbour_tokens else None
+    neighbours = None
+    if fit is not None:  # the corrected guesses come with the survival fitted on them
+        neighbours, survival = fit[0], (fit[1] if config.token_survival else None)
     return SpotDrafter(
         freeze_order_model(load_order_model(folder).to(target_device(target))),
         budget=config.budget,
@@ -35,7 +41,8 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
         refresh_every=config.drafter_refresh,
         confidence_prior=config.confidence_prior,
         min_path_prob=config.min_path_prob,
-        token_survival=load_token_survival(folder) if config.token_survival else None,
+        token_survival=survival,
+        neighbours=neighbours,
     )
 
 
@@ -147,6 +154,7 @@ class GenerateConfig:
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR  # spot: weight of log(stale coupled confidence) in the order
     min_path_prob: float = 0.0  # spot: draft only nodes whose path probability reaches this (0: fill the budget)
     token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
+    neighbour_tokens: bool = True  # spot: re-rank drafted tokens by fresh neighbours (the folder's bigram), if any
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 

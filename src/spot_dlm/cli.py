@@ -79,6 +79,7 @@ def _generate(args: argparse.Namespace) -> int:
         confidence_prior=args.confidence_prior,
         min_path_prob=args.min_path_prob,
         token_survival=not args.no_token_survival,
+        neighbour_tokens=not args.no_neighbour_tokens,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
@@ -280,10 +281,34 @@ def _collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fit_bigram(args: argparse.Namespace) -> int:
+    from spot_dlm.drafters.neighbours import BigramTable, save_bigram
+    from spot_dlm.train.data import build_token_stream, train_items
+
+    out = _drafter_folder(args.out)
+    if not out.is_dir():
+        raise FileNotFoundError(f"drafter folder not found: {out}")
+    if args.n_symbolic < 0:
+        raise ValueError(f"--n-symbolic must be >= 0, got {args.n_symbolic}")
+    _, codec = _load_model(args)
+    stream = build_token_stream(train_items(args.n_symbolic), codec)
+    table = BigramTable.from_stream(stream, codec.vocab_size)
+    source = {"corpus": "GSM8K train + gsm_symbolic (train seed)", "n_symbolic": args.n_symbolic}
+    path = save_bigram(table, out, {**source, "tokens": int(len(stream))})
+    print(f"{len(stream):,} tokens, {len(table.keys):,} distinct bigrams; wrote {path}")
+    return 0
+
+
 def _fit_token_survival(args: argparse.Namespace) -> int:
+    from spot_dlm.drafters.neighbours import load_bigram, save_neighbour_fit
     from spot_dlm.drafters.token_survival import save_token_survival
     from spot_dlm.train.collect import collection_prompts
-    from spot_dlm.train.token_survival import fit_token_survival, observe
+    from spot_dlm.train.token_survival import (
+        fit_neighbour_survival,
+        fit_neighbour_weight,
+        fit_token_survival,
+        observe,
+    )
 
     _set_threads(args.threads)
     out = _drafter_folder(args.out)
@@ -294,19 +319,32 @@ def _fit_token_survival(args: argparse.Namespace) -> int:
     if args.n_prompts < 1:
         raise ValueError(f"--n-prompts must be >= 1, got {args.n_prompts}")
     target, codec = _load_model(args)
+    bigram = load_bigram(out, target.vocab_size)
     prompts = collection_prompts(args.n_prompts, args.seed)
-    shape = {"block_length": args.block_length, "gen_length": args.gen_length}
+    shape = {"block_length": args.block_length, "gen_length": args.gen_length, "bigram": bigram}
     greedy = observe(target, codec, prompts, 0.0, args.seed, **shape)
     sampled = observe(target, codec, prompts, args.temperature, args.seed, **shape)
     survival = fit_token_survival(greedy, sampled)
-    print("kind     staleness  commits  top guess kept  scale  outside")
+    print("guesses     kind     staleness  commits  top guess kept  scale  outside")
+    _print_survival("stale", survival, greedy, sampled, lambda obs, d: obs.arrays(d)[1])
+    print(f"wrote {save_token_survival(survival, out)}")
+    if bigram is not None:
+        weights = fit_neighbour_weight(greedy), fit_neighbour_weight(sampled)
+        corrected = fit_neighbour_survival(greedy, sampled, weights)
+        ranks = {id(greedy): weights[0], id(sampled): weights[1]}
+        _print_survival("neighbour", corrected, greedy, sampled, lambda o, d: o.neighbour_arrays(ranks[id(o)], d)[1])
+        print(f"neighbour weights: greedy {weights[0]:g}, sampled {weights[1]:g}")
+        print(f"wrote {save_neighbour_fit(weights, corrected, out)}")
+    return 0
+
+
+def _print_survival(guesses: str, survival, greedy, sampled, ranks_of) -> None:
+    """One line per (temperature kind, staleness): commits seen, top-guess survival, fitted bucket."""
     for kind, observations in (("greedy", greedy), ("sampled", sampled)):
         for staleness, bucket in enumerate(getattr(survival, kind), start=1):
-            n = len(observations.arrays(staleness)[1])
-            kept = observations.top_survival(staleness)
-            print(f"{kind:8s} {staleness:9d} {n:8d} {kept:15.3f} {bucket.scale:6.3f} {bucket.outside:8.3f}")
-    print(f"wrote {save_token_survival(survival, out)}")
-    return 0
+            rank = ranks_of(observations, staleness)
+            line = f"{guesses:10s}  {kind:8s} {staleness:9d} {len(rank):8d} {float((rank == 0).mean()):15.3f}"
+            print(f"{line} {bucket.scale:6.3f} {bucket.outside:8.3f}")
 
 
 def _train_drafter(args: argparse.Namespace) -> int:
@@ -410,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="spot: ignore the drafter's token_survival.json (rank branches by position probability alone)",
     )
+    gen.add_argument(
+        "--no-neighbour-tokens",
+        action="store_true",
+        help="spot: draft the plain stale guesses (ignore the drafter folder's bigram.safetensors)",
+    )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
@@ -509,6 +552,14 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--seed", type=int, default=1)
     ts.add_argument("--threads", type=int, default=1)
     ts.set_defaults(func=_fit_token_survival)
+
+    bg = sub.add_parser(
+        "fit-bigram", help="count the training corpus's bigrams (re-ranks SPOT's drafted tokens by fresh neighbours)"
+    )
+    _add_model_options(bg)
+    bg.add_argument("--out", required=True, help="drafter folder for bigram.safetensors ('builtin': the shipped one)")
+    bg.add_argument("--n-symbolic", type=int, default=100_000, help="gsm_symbolic training items besides GSM8K train")
+    bg.set_defaults(func=_fit_bigram)
 
     ev = sub.add_parser("evaluate-target", help="held-out NELBO, accuracy, well-formedness, stale agreement")
     ev.add_argument("--model", default=None)

@@ -20,7 +20,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from spot_dlm.api import GenerateConfig, Generation, encode_prompt, generate, make_drafter, target_device
+from spot_dlm.api import (
+    GenerateConfig,
+    Generation,
+    default_drafter_dir,
+    encode_prompt,
+    generate,
+    make_drafter,
+    target_device,
+)
 from spot_dlm.decode import Drafter, RawGeneration
 from spot_dlm.drafters.simple import OracleDrafter
 
@@ -156,10 +164,12 @@ def method_options(method: str) -> tuple[str, dict]:
     """Variant suffixes: ``spot-alt2`` tries runner-up tokens (alternatives=2); ``spot-r2`` runs the order model
     every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
     (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent);
-    ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False).
-    They combine in the order -pN, -altN, -rN, -mN, -tsN: ``spot-p3-alt2-r2-m50-ts0``."""
+    ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False); ``spot-nb0`` drafts the
+    plain stale tokens (neighbour_tokens=False).
+    They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN: ``spot-p3-alt2-r2-m50-ts0-nb0``."""
     base, options = method, {}
     suffixes = (
+        ("-nb", "neighbour_tokens"),
         ("-ts", "token_survival"),
         ("-m", "min_path_prob"),
         ("-r", "drafter_refresh"),
@@ -174,7 +184,9 @@ def method_options(method: str) -> tuple[str, dict]:
 
 
 def _option_value(key: str, value: int):
-    return {"min_path_prob": value / 100, "token_survival": bool(value)}.get(key, value)
+    if key in ("token_survival", "neighbour_tokens"):
+        return bool(value)
+    return value / 100 if key == "min_path_prob" else value
 
 
 def threshold_family(method: str) -> str | None:
@@ -203,14 +215,25 @@ def make_setting(
     )
     if base in ("oracle", "sets-oracle", "order-oracle"):
         stale_tokens = base == "order-oracle"
+        neighbours = order_oracle_neighbours(config, target) if stale_tokens else None
         drafter = OracleDrafter(
-            references, config.block_length, config.budget, config.depth, stale_tokens=stale_tokens, name=base
+            references, config.block_length, config.budget, config.depth, stale_tokens, base, neighbours
         )
     else:
         drafter = make_drafter(config, target)
     family = threshold_family(method)
     baseline = None if method == "standard" else (f"{family}@{tau}" if family and budget else "standard")
     return Setting(method, budget, tau if family else None, baseline, config, drafter)
+
+
+def order_oracle_neighbours(config: GenerateConfig, target):
+    """The neighbour correction SPOT would use with this config (None: off, or no fit in the drafter folder)."""
+    from spot_dlm.drafters.neighbours import load_neighbour_fit
+
+    if not config.neighbour_tokens:
+        return None
+    fit = load_neighbour_fit(Path(config.drafter) if config.drafter else default_drafter_dir(), target.vocab_size)
+    return None if fit is None else fit[0]
 
 
 def plan_settings(target, temperature: float, bench: BenchConfig) -> tuple[list[Setting], dict[str, dict]]:

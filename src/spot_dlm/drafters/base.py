@@ -18,6 +18,14 @@ import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
+from spot_dlm.drafters.neighbours import (
+    CANDIDATES,
+    NeighbourTokens,
+    candidate_scores,
+    fresh_neighbours,
+    neighbour_correction,
+    rerank,
+)
 from spot_dlm.drafters.token_survival import SURVIVAL_RANKS, TokenSurvival
 from spot_dlm.rules import Proposal, propose
 from spot_dlm.tree import DraftTree, TreeBuilder
@@ -27,11 +35,17 @@ TOP_K_FEATURES = 32
 
 @dataclass
 class StaleGuesses:
-    """Stale coupled guesses per rule-step index, computed once per step index and reused across the tree."""
+    """Stale coupled guesses per rule-step index, computed once per step index and reused across the tree.
+
+    With ``neighbours`` a drafted commit's token is re-ranked by the neighbours its branch filled since the stale
+    pass (``child_guesses``; see ``drafters/neighbours.py``), so it depends on the node and not on the step alone.
+    """
 
     context: DraftContext
+    neighbours: NeighbourTokens | None = None
     _cache: dict[int, Proposal] = field(default_factory=dict)
     _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _tables: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def at(self, step_index: int) -> Proposal:
         """Tokens int64 [L] and confidence float64 [L] under the noise of ``step_index``, at the positions masked in
@@ -69,6 +83,34 @@ class StaleGuesses:
         z[:, self.context.mask_id] = float("-inf")
         return self._coupled_scores(step_index, z, positions).topk(n, dim=-1).values.T
 
+    def child_guesses(
+        self, step_index: int, parents: np.ndarray, positions: np.ndarray, n: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The n best guesses for commits at ``positions`` made from the ``parents`` states by rule step
+        ``step_index``, best first, with the neighbour correction when there is one: tokens int64 [n, C] and their
+        (corrected) coupled scores float64 [n, C]. parents int64 [C, L] on the host, positions int64 [C]."""
+        ctx = self.context
+        key = step_index if ctx.rule.needs_noise else 0
+        if key not in self._tables:
+            z = ctx.stale_logits.to(torch.float64, copy=True)
+            z[:, ctx.mask_id] = float("-inf")
+            self._tables[key] = self._coupled_scores(key, z).cpu()  # [L, V]
+        scores, candidates = candidate_scores(self._tables[key], self.at(key).tokens, positions, max(CANDIDATES, n))
+        weight = 0.0 if self.neighbours is None else self.neighbours.weight(ctx.rule.temperature)
+        if weight == 0:
+            return candidates[:, :n].T, scores[:, :n].T
+        stale_masked = (ctx.parent == ctx.mask_id).cpu().numpy()  # [L]
+        fresh = fresh_neighbours(parents, positions, stale_masked, ctx.mask_id)
+        correction = neighbour_correction(self.neighbours.table, candidates, *fresh)  # [C, R]
+        scale = weight / (ctx.rule.temperature if ctx.rule.needs_noise else 1.0)
+        return rerank(scores, candidates, correction, scale, n)
+
+    def stale_logprobs(self, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Stale log-probabilities of tokens at positions. positions int64 [C], tokens int64 [C, A] -> [C, A]"""
+        z = self.context.stale_logits[torch.from_numpy(positions)].to(torch.float64)  # [C, V]
+        z[:, self.context.mask_id] = float("-inf")
+        return torch.log_softmax(z, dim=-1).gather(1, torch.from_numpy(tokens).to(z.device)).cpu().numpy()
+
     def _coupled_scores(self, step_index: int, z: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """What the coupled guess maximises: ``z / T + gumbel`` (T > 0) or ``z`` (T = 0). z float64 [L or P, V] with
         the rows of all positions or of ``positions`` (int64 [P])."""
@@ -99,6 +141,7 @@ class Children:
     rank: np.ndarray  # int64 [C]: token rank, 0 = the best coupled guess, 1 = the runner-up, ...
     commit_child: np.ndarray  # int64 [P]: the child of each committed position
     commit_position: np.ndarray  # int64 [P]
+    commit_token: np.ndarray | None = None  # int64 [P]: the token of each commit (None: the step's stale guess)
 
     def select(self, chosen: np.ndarray) -> Children:
         """The children where ``chosen`` (bool [C]) holds, in order."""
@@ -110,6 +153,7 @@ class Children:
             self.rank[chosen],
             renumber[self.commit_child[kept]],
             self.commit_position[kept],
+            None if self.commit_token is None else self.commit_token[kept],
         )
 
 
@@ -155,34 +199,67 @@ def one_commit_children(
     A child's log-probability is its position's plus, when a token model is given, its token's: with
     ``token_survival`` the fitted probability that the guess of that rank is still the target's token (see
     ``drafters/token_survival.py``); without it, for ``alternatives`` > 1 only, the token's stale log-probability.
-    With ``alternatives`` = A > 1 each position is tried with its A best coupled guesses.
+    With ``alternatives`` = A > 1 each position is tried with its A best coupled guesses. When ``guesses`` carry a
+    neighbour correction, each child's tokens are chosen for its own parent (``StaleGuesses.child_guesses``).
     """
     if token_survival is not None and guesses is None:
         raise ValueError("scoring tokens by survival needs the stale guesses")
+    per_node = guesses is not None and guesses.neighbours is not None
 
-    def token_logprobs(step: int, positions: np.ndarray) -> np.ndarray:
-        """log P(guess r is the committed token) for commits at ``step`` at the given positions. -> float64 [P, A]"""
+    def token_logprobs(step: int, positions: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:
+        """log P(guess r is the committed token) for commits at ``step`` at the given positions. -> float64 [P, A]
+        ``scores`` float64 [R, P]: the guesses' coupled scores, best first (default: the stale ones)."""
         if token_survival is None:
             return guesses.ranked(step, alternatives)[1].cpu().numpy()[:, positions].T
         context = guesses.context
-        scores = guesses.best_scores(step, torch.from_numpy(positions), max(alternatives, SURVIVAL_RANKS))  # [R, P]
+        if scores is None:
+            ranks = max(alternatives, SURVIVAL_RANKS)
+            scores = guesses.best_scores(step, torch.from_numpy(positions), ranks).cpu().numpy()  # [R, P]
         staleness = step - context.root_step + 1  # commits since the stale pass
-        return token_survival.log_probs(scores, context.rule.temperature, staleness)[:alternatives].T.cpu().numpy()
+        log_probs = token_survival.log_probs(torch.from_numpy(scores), context.rule.temperature, staleness)
+        return log_probs[:alternatives].T.cpu().numpy()
+
+    def per_parent(states: torch.Tensor, child_step: np.ndarray, node: np.ndarray, positions: np.ndarray):
+        """Tokens chosen for each child's own parent (neighbour correction), with their log-probabilities:
+        int64 [C, A] and float64 [C, A] (zeros when nothing scores tokens)."""
+        parents = states.cpu().numpy()[node]  # [C, L]
+        tokens = np.empty((len(node), alternatives), dtype=np.int64)
+        token_logprob = np.zeros((len(node), alternatives))
+        for step in np.unique(child_step).tolist():
+            same = np.flatnonzero(child_step == step)
+            ranks = max(alternatives, SURVIVAL_RANKS)
+            ranked, ranked_scores = guesses.child_guesses(step, parents[same], positions[same], ranks)  # [R, c]
+            tokens[same] = ranked[:alternatives].T
+            if token_survival is not None:
+                token_logprob[same] = token_logprobs(step, positions[same], ranked_scores)
+            elif alternatives > 1:
+                token_logprob[same] = guesses.stale_logprobs(positions[same], tokens[same])
+        return tokens, token_logprob
+
+    def per_step(child_step: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """log-probabilities float64 [C, A] of the step's stale guesses of each rank."""
+        token_logprob = np.empty((len(positions), alternatives))
+        for step in np.unique(child_step).tolist():
+            same = child_step == step
+            token_logprob[same] = token_logprobs(step, positions[same])
+        return token_logprob
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
         scores = scorer(states, steps).detach().cpu()  # [B, L]; ranked on the host
         node, values, positions = top_positions(scores, keep)  # [C] each
+        child_step = np.asarray(steps)[node]  # [C]
+        tokens = None  # int64 [C, A] when chosen per parent; None: the step's stale guesses
+        if per_node:
+            tokens, token_logprob = per_parent(states, child_step, node, positions)
+        elif alternatives > 1 or token_survival is not None:
+            token_logprob = per_step(child_step, positions)
         rank = np.zeros_like(node)
         if alternatives > 1 or token_survival is not None:
-            child_step = np.asarray(steps)[node]  # [C]
-            token_logprob = np.empty((len(node), alternatives))  # [C, A]
-            for step in np.unique(child_step).tolist():
-                same = child_step == step
-                token_logprob[same] = token_logprobs(step, positions[same])
             values = (values[:, None] + token_logprob).ravel()  # [C * A]: each position's ranks in turn
             node, positions = np.repeat(node, alternatives), np.repeat(positions, alternatives)
             rank = np.tile(np.arange(alternatives), len(token_logprob))
-        return Children(node, values, rank, np.arange(len(node)), positions)
+        commit_token = None if tokens is None else tokens.ravel()  # [C * A], in the order of the children
+        return Children(node, values, rank, np.arange(len(node)), positions, commit_token)
 
     return children
 
@@ -298,8 +375,12 @@ def grow_tree(
 
 
 def _commit(states: np.ndarray, proposed: Children, guesses: StaleGuesses, step: int) -> np.ndarray:
-    """Children states: each parent row with its committed positions set to the coupled tokens of its rank under the
-    noise of ``step``. states int64 [B, L] -> int64 [C, L]"""
+    """Children states: each parent row with its committed positions set to the proposed tokens, or else to the
+    coupled tokens of its rank under the noise of ``step``. states int64 [B, L] -> int64 [C, L]"""
+    if proposed.commit_token is not None:
+        made = states.take(proposed.node, axis=0)  # [C, L]
+        made[proposed.commit_child, proposed.commit_position] = proposed.commit_token
+        return made
     n_ranks = int(proposed.rank.max()) + 1 if len(proposed.rank) else 1
     table = np.stack([guesses.tokens(step, rank).cpu().numpy() for rank in range(n_ranks)])  # [R, L]
     child, position = proposed.commit_child, proposed.commit_position  # [P] each

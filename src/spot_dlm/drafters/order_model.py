@@ -20,6 +20,7 @@ from torch import nn
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import TOP_K_FEATURES, StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.token_survival import TokenSurvival
 from spot_dlm.models.checkpoint import check_state_dict, load_weights
 from spot_dlm.tree import DraftTree
@@ -323,6 +324,9 @@ class SpotDrafter:
 
     ``token_survival`` multiplies each edge's position probability by the fitted probability that its stale coupled
     token is still the target's choice, so the budget goes to branches whose tokens are likely to hold.
+
+    ``neighbours`` re-ranks each drafted token by the tokens its branch committed beside it since the stale pass
+    (``drafters/neighbours.py``); ``token_survival`` must then be the fit of those corrected guesses.
     """
 
     model: OrderModel | FrozenOrderModel
@@ -333,11 +337,12 @@ class SpotDrafter:
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR
     min_path_prob: float = 0.0  # leave out nodes whose path probability is below this (cost-aware trees)
     token_survival: TokenSurvival | None = None  # scores each drafted token by how likely it survives (None: not)
+    neighbours: NeighbourTokens | None = None  # re-ranks drafted tokens by the branch's fresh neighbours (None: not)
     name: str = "spot"
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
-        guesses = StaleGuesses(context)
+        guesses = StaleGuesses(context, self.neighbours)
         view = StaleView.of(context, self.model.config)
         stale_masked = view.stale_masked  # [L]
         memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)

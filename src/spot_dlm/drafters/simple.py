@@ -6,10 +6,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext, RawGeneration
 from spot_dlm.drafters.base import StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.tree import DraftTree, TreeBuilder
 
 
@@ -85,7 +87,7 @@ class OracleDrafter:
     With ``stale_tokens`` it knows the true commit *order* only and commits the stale coupled guesses, as every
     drafter must (the "order oracle"): its chain leaves the trajectory at the first guess the target changes. The
     gap between the two is what stale tokens cost; the gap between the order oracle and a drafter is what its order
-    predictions cost.
+    predictions cost. With ``neighbours`` the guesses are re-ranked by the chain's fresh neighbours, as SPOT's are.
     """
 
     references: dict[int, RawGeneration]  # request index -> reference decoding of that request
@@ -94,6 +96,7 @@ class OracleDrafter:
     depth: int = 8
     stale_tokens: bool = False
     name: str = "oracle"
+    neighbours: NeighbourTokens | None = None
     _states: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
 
     def propose(self, context: DraftContext) -> DraftTree:
@@ -102,7 +105,7 @@ class OracleDrafter:
             reference = self.references[context.noise.request]
             self._states[key] = true_states(reference, context.block_index, self.block_length, context.mask_id)
         states = [state.to(context.root.device) for state in self._states[key]]
-        guesses = StaleGuesses(context) if self.stale_tokens else None
+        guesses = StaleGuesses(context, self.neighbours) if self.stale_tokens else None
         builder = TreeBuilder(context.root, context.root_step, context.mask_id, self.budget)
         node, state = 0, context.root
         for offset in range(1, self.depth + 1):
@@ -113,11 +116,23 @@ class OracleDrafter:
                 state = states[index]
             else:  # the true next position, the stale guess's token (off the trajectory once a guess is wrong)
                 position = states[index] != states[index - 1]
-                state = torch.where(position, guesses.at(index - 1).tokens, state)
+                state = torch.where(position, self._guess(guesses, index - 1, state, position), state)
             node = builder.add(node, state)
             if node is None or not torch.equal(state, states[index]):
                 break
         return builder.build()
+
+
+    def _guess(self, guesses: StaleGuesses, step: int, state: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Tokens int64 [L] whose entries at ``position`` (bool [L]) are the guesses for committing them from
+        ``state`` by rule step ``step``."""
+        tokens = guesses.at(step).tokens
+        if self.neighbours is None:
+            return tokens
+        at = torch.nonzero(position).flatten().cpu().numpy()
+        parents = np.repeat(state.cpu().numpy()[None], len(at), axis=0)  # [P, L]
+        best = guesses.child_guesses(step, parents, at, 1)[0][0]  # [P]
+        return tokens.clone().index_put_((torch.from_numpy(at).to(tokens.device),), torch.from_numpy(best).to(tokens))
 
 
 def ranked_allowed(confidence: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,17 @@ from tqdm import tqdm
 
 from spot_dlm.api import GenerateConfig, encode_prompt
 from spot_dlm.decode import NoDrafter, StepRecord, decode_ids
+from spot_dlm.drafters.neighbours import (
+    CANDIDATES,
+    BigramTable,
+    candidate_scores,
+    fresh_neighbours,
+    neighbour_correction,
+)
 from spot_dlm.drafters.token_survival import MAX_STALENESS, SURVIVAL_RANKS, TokenSurvival, fit_bucket
 from spot_dlm.noise import NoiseKey
+
+NEIGHBOUR_WEIGHTS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5)  # the grid ``fit_neighbour_weight`` chooses from
 
 
 def coupled_scores(logits: torch.Tensor, noise: torch.Tensor | None, temperature: float, mask_id: int) -> torch.Tensor:
@@ -37,9 +46,13 @@ class SurvivalObservations:
     mask_id: int
     max_staleness: int = MAX_STALENESS
     ranks: int = SURVIVAL_RANKS
+    bigram: BigramTable | None = None  # also record the neighbour correction of the CANDIDATES best guesses
     staleness: list[int] = field(default_factory=list)
     scores: list[np.ndarray] = field(default_factory=list)  # float64 [R] each
     rank: list[int] = field(default_factory=list)
+    candidate_scores: list[np.ndarray] = field(default_factory=list)  # float64 [CANDIDATES] each, rule's guess first
+    correction: list[np.ndarray] = field(default_factory=list)  # float64 [CANDIDATES]: PMI with fresh neighbours
+    committed_candidate: list[int] = field(default_factory=list)  # index of the committed token there, or -1
 
     def observer(self, key: NoiseKey):
         """A decode observer recording every commit against the last ``max_staleness`` states of its block."""
@@ -60,9 +73,41 @@ class SurvivalObservations:
                     self.staleness.append(staleness)
                     self.scores.append(scores.topk(self.ranks).values.cpu().numpy())
                     self.rank.append(int((scores > scores[token]).sum()))
+                    if self.bigram is not None:
+                        self._record_candidates(scores, rec, stale, position, token)
             recent.append(rec)
 
         return record
+
+    def _record_candidates(self, scores: torch.Tensor, rec: StepRecord, stale: StepRecord, position: int, token: int):
+        """The best stale guesses at a committed position, their PMI with the neighbours committed since the stale
+        pass (``rec.state`` is what a drafted node holds when it makes this commit), and where the token is."""
+        at = np.asarray([position])
+        rank0 = torch.full((rec.state.shape[0],), int(scores.argmax()), dtype=torch.int64)  # the rule's tie-break
+        table = scores.cpu()[None].expand(rec.state.shape[0], -1)  # only row ``position`` is read
+        values, candidates = candidate_scores(table, rank0, at, CANDIDATES)  # [1, R]
+        stale_masked = (stale.state == self.mask_id).cpu().numpy()
+        fresh = fresh_neighbours(rec.state.cpu().numpy()[None], at, stale_masked, self.mask_id)
+        self.candidate_scores.append(values[0])
+        self.correction.append(neighbour_correction(self.bigram, candidates, *fresh)[0])
+        hit = np.flatnonzero(candidates[0] == token)
+        self.committed_candidate.append(int(hit[0]) if len(hit) else -1)
+
+    def neighbour_arrays(self, weight: float, staleness: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """With the correction at ``weight``: the R best corrected scores per commit float64 [N, R] (best first) and
+        the rank of the committed token among them int64 [N] (R: outside), at one staleness or all."""
+        chosen = np.ones(len(self.staleness), dtype=bool)
+        if staleness is not None:
+            chosen = np.asarray(self.staleness) == staleness
+        if not self.candidate_scores or not chosen.any():
+            return np.zeros((0, self.ranks)), np.zeros(0, dtype=np.int64)
+        scale = weight / (self.temperature if self.temperature > 0 else 1.0)
+        corrected = np.stack(self.candidate_scores)[chosen] + scale * np.stack(self.correction)[chosen]  # [N, C]
+        order = np.argsort(-corrected, axis=1, kind="stable")  # [N, C]
+        committed = np.asarray(self.committed_candidate)[chosen]  # [N]
+        rank = np.argmax(order == committed[:, None], axis=1)  # position of the committed candidate
+        rank = np.where(committed < 0, self.ranks, np.minimum(rank, self.ranks))
+        return np.take_along_axis(corrected, order, 1)[:, : self.ranks], rank
 
     def arrays(self, staleness: int) -> tuple[np.ndarray, np.ndarray]:
         """Scores float64 [N, R] and ranks int64 [N] of the commits seen at one staleness."""
@@ -85,12 +130,14 @@ def observe(
     block_length: int = 32,
     gen_length: int = 256,
     progress: bool = True,
+    bigram: BigramTable | None = None,
 ) -> SurvivalObservations:
-    """Standard decoding of the prompts (request ids 0..n-1 under ``seed``) with survival observations."""
+    """Standard decoding of the prompts (request ids 0..n-1 under ``seed``) with survival observations (and the
+    neighbour correction's, with ``bigram``)."""
     config = GenerateConfig(
         method="standard", temperature=temperature, seed=seed, block_length=block_length, gen_length=gen_length
     )
-    observations = SurvivalObservations(temperature=temperature, mask_id=target.mask_id)
+    observations = SurvivalObservations(temperature=temperature, mask_id=target.mask_id, bigram=bigram)
     for request, prompt in enumerate(tqdm(prompts, desc=f"token survival T={temperature:g}", disable=not progress)):
         key = NoiseKey(seed, request)
         ids = encode_prompt(prompt, codec, config, target)
@@ -111,3 +158,29 @@ def fit_token_survival(greedy: SurvivalObservations, sampled: SurvivalObservatio
         return tuple(fitted)
 
     return TokenSurvival(greedy=buckets(greedy), sampled=buckets(sampled))
+
+
+def fit_neighbour_weight(observations: SurvivalObservations, grid: tuple[float, ...] = NEIGHBOUR_WEIGHTS) -> float:
+    """The weight of the grid under which the top corrected guess is the committed token most often (all
+    stalenesses together; ties: the smaller weight)."""
+    if not observations.candidate_scores:
+        raise ValueError("no neighbour observations: observe with a bigram table")
+    kept = [float(np.mean(observations.neighbour_arrays(w)[1] == 0)) for w in grid]
+    return grid[int(np.argmax(kept))]
+
+
+def fit_neighbour_survival(
+    greedy: SurvivalObservations, sampled: SurvivalObservations, weights: tuple[float, float]
+) -> TokenSurvival:
+    """Survival of the corrected guesses at the chosen (greedy, sampled) weights: one bucket per staleness."""
+
+    def buckets(observations: SurvivalObservations, weight: float):
+        fitted = []
+        for staleness in range(1, observations.max_staleness + 1):
+            scores, rank = observations.neighbour_arrays(weight, staleness)
+            if len(rank) == 0:
+                raise ValueError(f"no commits observed at staleness {staleness}: decode more prompts")
+            fitted.append(fit_bucket(scores, rank))
+        return tuple(fitted)
+
+    return TokenSurvival(greedy=buckets(greedy, weights[0]), sampled=buckets(sampled, weights[1]))
