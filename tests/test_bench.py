@@ -418,6 +418,12 @@ def test_method_options_parse_variant_suffixes() -> None:
         "spot",
         {"alternatives": 2, "min_path_prob": 0.3, "token_survival": True},
     )
+    assert method_options("spot-nb0") == ("spot", {"neighbour_tokens": False})
+    assert method_options("spot-p5-ts0-nb1-np0") == (
+        "spot",
+        {"confidence_prior": 5, "token_survival": False, "neighbour_tokens": True, "neighbour_prior": False},
+    )
+    assert method_options("order-oracle-nb0") == ("order-oracle", {"neighbour_tokens": False})
 
 
 def test_merge_reports_keeps_every_row_and_config() -> None:

@@ -214,9 +214,11 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
         return SpotDrafter(
             model, budget=case.budget, depth=case.depth, alternatives=alternatives, token_survival=SURVIVAL
         )
-    if name in ("spot-nb", "spot-nb-ts-alt2"):  # tokens re-ranked by fresh neighbours under a made-up bigram
+    if name in ("spot-nb", "spot-nb-ts-alt2", "spot-nb-prior"):  # tokens re-ranked by fresh neighbours (made up)
         model = trained if trained is not None else random_order_model(case.seed % 2)
         extra = {"alternatives": 2, "token_survival": SURVIVAL} if name == "spot-nb-ts-alt2" else {}
+        if name == "spot-nb-prior":  # the confidence prior reads the corrected confidence too
+            extra = {"confidence_prior": 3.0, "neighbour_prior": True}
         return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
     if name == "stale-alt3":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
@@ -400,7 +402,7 @@ def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, tra
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)
-@pytest.mark.parametrize("drafter_name", ("spot-nb", "spot-nb-ts-alt2", "order-oracle-nb"))
+@pytest.mark.parametrize("drafter_name", ("spot-nb", "spot-nb-ts-alt2", "spot-nb-prior", "order-oracle-nb"))
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_neighbour_tokens_equal_standard(temperature, drafter_name, scoring, trained):
     """Tokens re-ranked by the branch's fresh neighbours change only what is drafted, at every temperature."""

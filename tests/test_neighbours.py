@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -155,6 +156,27 @@ def test_spot_trees_commit_the_corrected_tokens(temperature: float) -> None:
     assert differ > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_node_confidence_moves_only_where_a_neighbour_was_filled(temperature: float) -> None:
+    context = make_context(temperature, seed=4)
+    guesses_plain = StaleGuesses(context)
+    rng = np.random.default_rng(5)
+    table = BigramTable.from_stream(rng.integers(3, V, 3000) ** 2 % V, V)
+    guesses = StaleGuesses(context, NeighbourTokens(table, 3.0, 3.0))
+    states = np.repeat(context.root.numpy()[None], 2, axis=0)
+    states[1, 2] = 9  # a branch commit: positions 1 and 3 now have a fresh neighbour, as has 6 (next to the root's)
+    steps = [context.root_step, context.root_step + 1]
+    plain = guesses_plain.node_confidence(steps, states)
+    corrected = guesses.node_confidence(steps, states)
+    stale = torch.stack([guesses_plain.at(s).confidence for s in steps])
+    assert torch.equal(plain, stale)
+    moved = torch.zeros_like(stale, dtype=torch.bool)
+    moved[0, ROOT_COMMIT - 1] = moved[1, ROOT_COMMIT - 1] = moved[1, 1] = moved[1, 3] = True
+    assert torch.equal(corrected[~moved], stale[~moved])
+    assert bool(((corrected[moved] > 0) & (corrected[moved] <= 1)).all())
+    assert not torch.equal(corrected[moved], stale[moved])
+
+
 def test_neighbour_observations_at_weight_zero_are_the_stale_ranks(make_target) -> None:
     target = make_target()
     rule = CommitRule("one", temperature=1.0)
@@ -233,7 +255,21 @@ def test_shipped_drafter_uses_neighbours_by_default(make_target) -> None:
     target, _ = load_target()
     drafter = make_drafter(GenerateConfig(method="spot"), target)
     assert drafter.neighbours is not None and drafter.neighbours.table.vocab_size == target.vocab_size
+    assert drafter.neighbour_prior
     assert make_drafter(GenerateConfig(method="spot", neighbour_tokens=False), target).neighbours is None
+    assert not make_drafter(GenerateConfig(method="spot", neighbour_prior=False), target).neighbour_prior
+
+
+def test_cli_generate_with_and_without_neighbours_is_the_same_text(capsys) -> None:
+    """The flags change the drafts only: the generated tokens are standard decoding's."""
+    prompt = ["generate", "--prompt", "Tom has 3 apples and buys 5 more. How many apples does he have?"]
+    common = [*prompt, "--gen-length", "64", "--temperature", "1", "--budget", "4", "--json"]
+    outputs = []
+    for extra in ([], ["--no-neighbour-tokens"], ["--no-neighbour-prior"], ["--method", "standard"]):
+        assert cli.main([*common, "--method", "spot", *extra] if "--method" not in extra else [*common, *extra]) == 0
+        outputs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert len({tuple(o["token_ids"]) for o in outputs}) == 1
+    assert outputs[0]["target_passes"] < outputs[3]["target_passes"]
 
 
 def test_cli_fit_bigram_then_fit_token_survival_writes_the_neighbour_fit(capsys, long_checkpoint, tmp_path) -> None:

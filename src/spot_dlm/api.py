@@ -43,6 +43,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
         min_path_prob=config.min_path_prob,
         token_survival=survival,
         neighbours=neighbours,
+        neighbour_prior=config.neighbour_prior,
     )
 
 
@@ -155,6 +156,7 @@ class GenerateConfig:
     min_path_prob: float = 0.0  # spot: draft only nodes whose path probability reaches this (0: fill the budget)
     token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
     neighbour_tokens: bool = True  # spot: re-rank drafted tokens by fresh neighbours (the folder's bigram), if any
+    neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 

@@ -80,6 +80,7 @@ def _generate(args: argparse.Namespace) -> int:
         min_path_prob=args.min_path_prob,
         token_survival=not args.no_token_survival,
         neighbour_tokens=not args.no_neighbour_tokens,
+        neighbour_prior=not args.no_neighbour_prior,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
@@ -452,6 +453,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-neighbour-tokens",
         action="store_true",
         help="spot: draft the plain stale guesses (ignore the drafter folder's bigram.safetensors)",
+    )
+    gen.add_argument(
+        "--no-neighbour-prior",
+        action="store_true",
+        help="spot: the confidence prior reads the stale confidence even where a neighbour was filled",
     )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")

@@ -165,10 +165,12 @@ def method_options(method: str) -> tuple[str, dict]:
     every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
     (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent);
     ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False); ``spot-nb0`` drafts the
-    plain stale tokens (neighbour_tokens=False).
-    They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN: ``spot-p3-alt2-r2-m50-ts0-nb0``."""
+    plain stale tokens (neighbour_tokens=False); ``spot-np0`` keeps the stale confidence in the prior
+    (neighbour_prior=False).
+    They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN, -npN: ``spot-p3-alt2-r2-m50-ts0-nb0-np0``."""
     base, options = method, {}
     suffixes = (
+        ("-np", "neighbour_prior"),
         ("-nb", "neighbour_tokens"),
         ("-ts", "token_survival"),
         ("-m", "min_path_prob"),
@@ -184,7 +186,7 @@ def method_options(method: str) -> tuple[str, dict]:
 
 
 def _option_value(key: str, value: int):
-    if key in ("token_survival", "neighbour_tokens"):
+    if key in ("token_survival", "neighbour_tokens", "neighbour_prior"):
         return bool(value)
     return value / 100 if key == "min_path_prob" else value
 

@@ -45,7 +45,7 @@ class StaleGuesses:
     neighbours: NeighbourTokens | None = None
     _cache: dict[int, Proposal] = field(default_factory=dict)
     _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _tables: dict[int, torch.Tensor] = field(default_factory=dict)
+    _tables: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> coupled scores [L, V] on the host
 
     def at(self, step_index: int) -> Proposal:
         """Tokens int64 [L] and confidence float64 [L] under the noise of ``step_index``, at the positions masked in
@@ -89,27 +89,68 @@ class StaleGuesses:
         """The n best guesses for commits at ``positions`` made from the ``parents`` states by rule step
         ``step_index``, best first, with the neighbour correction when there is one: tokens int64 [n, C] and their
         (corrected) coupled scores float64 [n, C]. parents int64 [C, L] on the host, positions int64 [C]."""
-        ctx = self.context
-        key = step_index if ctx.rule.needs_noise else 0
-        if key not in self._tables:
-            z = ctx.stale_logits.to(torch.float64, copy=True)
-            z[:, ctx.mask_id] = float("-inf")
-            self._tables[key] = self._coupled_scores(key, z).cpu()  # [L, V]
-        scores, candidates = candidate_scores(self._tables[key], self.at(key).tokens, positions, max(CANDIDATES, n))
-        weight = 0.0 if self.neighbours is None else self.neighbours.weight(ctx.rule.temperature)
-        if weight == 0:
+        candidates, scores, correction = self._candidates(step_index, parents, positions, max(CANDIDATES, n))
+        if correction is None:
             return candidates[:, :n].T, scores[:, :n].T
+        return rerank(scores, candidates, correction, self._score_scale(), n)
+
+    def node_confidence(self, steps: list[int], states: np.ndarray) -> torch.Tensor:
+        """Each node's estimate of the rule's confidence at every position: the stale coupled confidence of its step,
+        and where a neighbour was filled since the stale pass, the corrected guess's probability under the corrected
+        distribution (``p(v) exp(w PMI)`` over the ``CANDIDATES`` best guesses, the rest of the mass unchanged).
+        states int64 [B, L] on the host -> float64 [B, L] (-inf where stale-committed)"""
+        ctx = self.context
+        confidence = torch.stack([self.at(s).confidence for s in steps]).cpu()  # [B, L]
+        if self._weight() == 0:
+            return confidence
         stale_masked = (ctx.parent == ctx.mask_id).cpu().numpy()  # [L]
-        fresh = fresh_neighbours(parents, positions, stale_masked, ctx.mask_id)
-        correction = neighbour_correction(self.neighbours.table, candidates, *fresh)  # [C, R]
-        scale = weight / (ctx.rule.temperature if ctx.rule.needs_noise else 1.0)
-        return rerank(scores, candidates, correction, scale, n)
+        node, position = np.nonzero(states == ctx.mask_id)  # [M] each: the positions still to commit
+        left_fresh, _, right_fresh, _ = fresh_neighbours(states[node], position, stale_masked, ctx.mask_id)
+        node, position = node[left_fresh | right_fresh], position[left_fresh | right_fresh]
+        node_step = np.asarray(steps)[node]
+        for step in np.unique(node_step).tolist():
+            rows, at = node[node_step == step], position[node_step == step]
+            candidates, scores, correction = self._candidates(step, states[rows], at, CANDIDATES)  # [c, R] each
+            best = np.argmax(scores + self._score_scale() * correction, axis=1)  # [c]: the corrected guess
+            logp = self.stale_logprobs(at, candidates)  # [c, R]
+            shifted = logp + self._weight() * correction  # log p(v) + w PMI: the corrected logits, unnormalised
+            tail = np.log1p(-np.minimum(np.exp(logp).sum(1), 1 - 1e-12))  # [c]: stale mass of the other tokens
+            total = np.logaddexp(np.logaddexp.reduce(shifted, axis=1), tail)  # [c]
+            chosen = np.take_along_axis(shifted, best[:, None], 1)[:, 0] - total
+            confidence[torch.from_numpy(rows), torch.from_numpy(at)] = torch.from_numpy(np.exp(chosen))
+        return confidence
 
     def stale_logprobs(self, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Stale log-probabilities of tokens at positions. positions int64 [C], tokens int64 [C, A] -> [C, A]"""
         z = self.context.stale_logits[torch.from_numpy(positions)].to(torch.float64)  # [C, V]
         z[:, self.context.mask_id] = float("-inf")
         return torch.log_softmax(z, dim=-1).gather(1, torch.from_numpy(tokens).to(z.device)).cpu().numpy()
+
+    def _weight(self) -> float:
+        return 0.0 if self.neighbours is None else self.neighbours.weight(self.context.rule.temperature)
+
+    def _score_scale(self) -> float:
+        """What one nat of the correction adds to a coupled score (``Z / T + gumbel``; ``Z`` at T = 0)."""
+        rule = self.context.rule
+        return self._weight() / (rule.temperature if rule.needs_noise else 1.0)
+
+    def _candidates(
+        self, step_index: int, parents: np.ndarray, positions: np.ndarray, count: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The ``count`` best stale coupled guesses per commit (the rule's first), their coupled scores, and their PMI
+        with the commit's fresh neighbours (None without a correction): [C, R] each."""
+        ctx = self.context
+        key = step_index if ctx.rule.needs_noise else 0
+        if key not in self._tables:
+            z = ctx.stale_logits.to(torch.float64, copy=True)
+            z[:, ctx.mask_id] = float("-inf")
+            self._tables[key] = self._coupled_scores(key, z).cpu()  # [L, V]
+        scores, candidates = candidate_scores(self._tables[key], self.at(key).tokens, positions, count)
+        if self._weight() == 0:
+            return candidates, scores, None
+        stale_masked = (ctx.parent == ctx.mask_id).cpu().numpy()  # [L]
+        fresh = fresh_neighbours(parents, positions, stale_masked, ctx.mask_id)
+        return candidates, scores, neighbour_correction(self.neighbours.table, candidates, *fresh)
 
     def _coupled_scores(self, step_index: int, z: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """What the coupled guess maximises: ``z / T + gumbel`` (T > 0) or ``z`` (T = 0). z float64 [L or P, V] with

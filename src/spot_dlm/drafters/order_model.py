@@ -326,7 +326,9 @@ class SpotDrafter:
     token is still the target's choice, so the budget goes to branches whose tokens are likely to hold.
 
     ``neighbours`` re-ranks each drafted token by the tokens its branch committed beside it since the stale pass
-    (``drafters/neighbours.py``); ``token_survival`` must then be the fit of those corrected guesses.
+    (``drafters/neighbours.py``); ``token_survival`` must then be the fit of those corrected guesses. With
+    ``neighbour_prior`` the confidence prior reads the corrected guess's confidence at those positions (their
+    confidence moves with their neighbours, and the rule ranks positions by it).
     """
 
     model: OrderModel | FrozenOrderModel
@@ -338,6 +340,7 @@ class SpotDrafter:
     min_path_prob: float = 0.0  # leave out nodes whose path probability is below this (cost-aware trees)
     token_survival: TokenSurvival | None = None  # scores each drafted token by how likely it survives (None: not)
     neighbours: NeighbourTokens | None = None  # re-ranks drafted tokens by the branch's fresh neighbours (None: not)
+    neighbour_prior: bool = True  # the confidence prior reads the corrected confidence where neighbours moved
     name: str = "spot"
 
     @torch.no_grad()
@@ -383,6 +386,8 @@ class SpotDrafter:
                         memo[states[i].cpu().numpy().tobytes()] = logits
             logits = torch.stack(rows).to(torch.float64)  # [B, L]
             if self.confidence_prior:
+                if self.neighbour_prior and self.neighbours is not None:
+                    coupled = guesses.node_confidence(steps, states.cpu().numpy()).to(logits.device)
                 logits = logits + self.confidence_prior * coupled.clamp_min(1e-12).log()
             return masked_log_normalise(logits, states == context.mask_id)
 
