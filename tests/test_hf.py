@@ -224,3 +224,32 @@ def test_cli_collect_passes_the_transformers_options(hf_folder: Path, tmp_path: 
     plain, shifted = collect_top(), collect_top("--shifted-logits")
     assert plain.shape[1:] == shifted.shape[1:] == (8, 32)
     assert not np.array_equal(plain[: len(shifted)], shifted[: len(plain)])  # the option reached the target
+
+
+def test_cli_fit_bigram_counts_over_the_models_vocabulary(hf_folder: Path, tmp_path: Path) -> None:
+    from spot_dlm.drafters.neighbours import load_bigram
+
+    assert main(["fit-bigram", "--model", str(hf_folder), "--out", str(tmp_path), "--n-symbolic", "0"]) == 0
+    target, _ = load_target(hf_folder)
+    table = load_bigram(tmp_path, target.vocab_size)
+    assert table.vocab_size == target.vocab_size and len(table.keys) > 100
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_spot_with_neighbour_tokens_equals_standard_on_a_transformers_target(temperature: float) -> None:
+    from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens
+    from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
+
+    target = HFTarget(stand_in("qwen3", seed=3), MASK_ID, EOS_ID, shifted_logits=True)
+    settings = DecodeSettings(CommitRule(temperature=temperature), block_length=6, gen_length=18, stop_at_eos=False)
+    stream = np.random.default_rng(0).integers(3, VOCAB, 3000) ** 2 % VOCAB
+    neighbours = NeighbourTokens(BigramTable.from_stream(stream, VOCAB), 2.0, 2.0)
+    torch.manual_seed(0)
+    model = OrderModel(OrderModelConfig(top_k=8, d_model=32, n_layers=1, n_heads=2)).eval()
+    for seed in range(3):
+        prompt = torch.randint(3, VOCAB, (4 + seed,), generator=torch.Generator().manual_seed(seed))
+        key = NoiseKey(seed, request=seed)
+        reference = decode_ids(target, prompt, settings, NoDrafter(), key)
+        raw = decode_ids(target, prompt, settings, SpotDrafter(model, budget=6, depth=4, neighbours=neighbours), key)
+        assert raw.token_ids.tolist() == reference.token_ids.tolist()
+        assert raw.commit_step.tolist() == reference.commit_step.tolist()

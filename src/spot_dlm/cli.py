@@ -283,6 +283,8 @@ def _collect(args: argparse.Namespace) -> int:
 
 
 def _fit_bigram(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from spot_dlm.drafters.neighbours import BigramTable, save_bigram
     from spot_dlm.train.data import build_token_stream, train_items
 
@@ -291,9 +293,9 @@ def _fit_bigram(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"drafter folder not found: {out}")
     if args.n_symbolic < 0:
         raise ValueError(f"--n-symbolic must be >= 0, got {args.n_symbolic}")
-    _, codec = _load_model(args)
-    stream = build_token_stream(train_items(args.n_symbolic), codec)
-    table = BigramTable.from_stream(stream, codec.vocab_size)
+    target, codec = _load_model(args)
+    stream = build_token_stream(train_items(args.n_symbolic), codec, dtype=np.int64)
+    table = BigramTable.from_stream(stream, target.vocab_size)  # the model's vocabulary (may exceed the tokenizer's)
     source = {"corpus": "GSM8K train + gsm_symbolic (train seed)", "n_symbolic": args.n_symbolic}
     path = save_bigram(table, out, {**source, "tokens": int(len(stream))})
     print(f"{len(stream):,} tokens, {len(table.keys):,} distinct bigrams; wrote {path}")

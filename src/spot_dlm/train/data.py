@@ -135,16 +135,16 @@ def training_text(item: dict) -> str:
     return format_prompt(item["question"]) + " " + item["solution"]
 
 
-def build_token_stream(items: Iterable[dict], codec: TextCodec) -> np.ndarray:
-    """uint16 concatenation of encode(training_text(item)) + [eos] over `items`."""
-    if codec.vocab_size > np.iinfo(np.uint16).max + 1:
-        raise ValueError(f"vocab size {codec.vocab_size} does not fit in uint16")
+def build_token_stream(items: Iterable[dict], codec: TextCodec, dtype: type = np.uint16) -> np.ndarray:
+    """Concatenation of encode(training_text(item)) + [eos] over `items` (uint16 by default: the training stream)."""
+    if codec.vocab_size > np.iinfo(dtype).max + 1:
+        raise ValueError(f"vocab size {codec.vocab_size} does not fit in {np.dtype(dtype).name}")
     items = list(items)
     parts = [
-        np.asarray([*codec.encode(training_text(item)), codec.eos_id], dtype=np.uint16)
+        np.asarray([*codec.encode(training_text(item)), codec.eos_id], dtype=dtype)
         for item in tqdm(items, desc="tokenize")
     ]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 def pack_batches(stream: np.ndarray, seq_len: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
