@@ -46,7 +46,7 @@ SURVIVAL = TokenSurvival(
     greedy=(SurvivalBucket(0.3, 0.05), SurvivalBucket(1.0, 0.2)),
     sampled=(SurvivalBucket(2.0, 0.3), SurvivalBucket(0.5, 0.0), SurvivalBucket(5.0, 0.6)),
 )
-SET_DRAFTERS = ("oracle", "random", "stale", "stale-sets", "spot-sets")  # for threshold rules (SPOT-Sets)
+SET_DRAFTERS = ("oracle", "random", "stale", "stale-sets", "spot-sets", "spot-sets-nb")  # threshold rules
 THRESHOLD_RULES = {
     "threshold-0.3": {"kind": "threshold", "tau": 0.3},
     "threshold-0.6": {"kind": "threshold", "tau": 0.6},
@@ -226,6 +226,9 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
         return StaleSetsDrafter(budget=case.budget, depth=case.depth)
     if name == "spot-sets":
         return SetsDrafter(random_order_model(case.seed % 2), budget=case.budget, depth=case.depth)
+    if name == "spot-sets-nb":  # members' tokens re-ranked by the parent's fresh neighbours (made-up bigram)
+        model = random_order_model(case.seed % 2)
+        return SetsDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case))
     raise ValueError(name)
 
 

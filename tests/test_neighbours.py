@@ -26,6 +26,7 @@ from spot_dlm.drafters.neighbours import (
     save_neighbour_fit,
 )
 from spot_dlm.drafters.order_model import SpotDrafter
+from spot_dlm.drafters.sets import SetsDrafter
 from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival, load_token_survival
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
@@ -175,6 +176,27 @@ def test_node_confidence_moves_only_where_a_neighbour_was_filled(temperature: fl
     assert torch.equal(corrected[~moved], stale[~moved])
     assert bool(((corrected[moved] > 0) & (corrected[moved] <= 1)).all())
     assert not torch.equal(corrected[moved], stale[moved])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sets_trees_commit_each_members_corrected_token(temperature: float) -> None:
+    """SPOT-Sets: every member of a drafted set gets the best corrected guess for the set's parent state (members of
+    one set do not condition on each other); with a strong correction some differ from the stale guesses."""
+    rng = np.random.default_rng(6)
+    neighbours = NeighbourTokens(BigramTable.from_stream(rng.integers(3, V, 3000) ** 2 % V, V), 4.0, 4.0)
+    differ = 0
+    for seed in range(6):
+        context = make_context(temperature, seed=seed, kind="threshold")
+        tree = SetsDrafter(random_order_model(seed % 2), budget=12, depth=4, neighbours=neighbours).propose(context)
+        guesses = StaleGuesses(context, neighbours)
+        for node in range(1, len(tree)):
+            parent = tree.parents[node]
+            members = torch.nonzero(tree.states[parent] != tree.states[node]).flatten().numpy()
+            parents = np.repeat(tree.states[parent].numpy()[None], len(members), axis=0)
+            best = guesses.child_guesses(tree.steps[parent], parents, members, 1)[0][0]
+            assert np.array_equal(tree.states[node].numpy()[members], best)
+            differ += int((best != guesses.at(tree.steps[parent]).tokens.numpy()[members]).sum())
+    assert differ > 0
 
 
 def test_neighbour_observations_at_weight_zero_are_the_stale_ranks(make_target) -> None:

@@ -8,6 +8,7 @@ outs[0].text, outs[0].token_ids, outs[0].stats["target_passes"]
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,14 +23,33 @@ from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
 
 
-def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
+def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
+    """The neighbour correction and its survival fit from a drafter folder, or None (turned off, or no fit there).
+
+    A folder given with ``drafter`` must fit the target (a table of another vocabulary is a ValueError); the shipped
+    fit belongs to the built-in target, so for a target of another vocabulary it is left out with a warning."""
     from spot_dlm.drafters.neighbours import load_neighbour_fit
+
+    if not config.neighbour_tokens:
+        return None
+    fit = load_neighbour_fit(folder)
+    if fit is None or fit[0].table.vocab_size == target.vocab_size:
+        return fit
+    message = f"the bigram table in {folder} was counted over {fit[0].table.vocab_size} tokens; the target has "
+    if config.drafter:
+        raise ValueError(f"{message}{target.vocab_size}")
+    hint = "drafting plain stale tokens (spot-dlm fit-bigram makes one for it)"
+    warnings.warn(f"{message}{target.vocab_size}: {hint}", stacklevel=3)
+    return None
+
+
+def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.order_model import SpotDrafter, freeze_order_model, load_order_model
     from spot_dlm.drafters.token_survival import load_token_survival
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
     survival = load_token_survival(folder) if config.token_survival else None
-    fit = load_neighbour_fit(folder, target.vocab_size) if config.neighbour_tokens else None
+    fit = neighbour_fit(config, target, folder)
     neighbours = None
     if fit is not None:  # the corrected guesses come with the survival fitted on them
         neighbours, survival = fit[0], (fit[1] if config.token_survival else None)
@@ -74,7 +94,9 @@ def _sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir().parent / "sets_drafter"
     model = freeze_order_model(load_order_model(folder).to(target_device(target)))
-    return SetsDrafter(model, budget=config.budget, depth=config.depth)
+    fit = neighbour_fit(config, target, folder if config.drafter else default_drafter_dir())
+    neighbours = None if fit is None else fit[0]
+    return SetsDrafter(model, budget=config.budget, depth=config.depth, neighbours=neighbours)
 
 
 def _stale_sets_drafter(config: GenerateConfig, target: Target) -> Drafter:

@@ -3,11 +3,14 @@
 A drafter gives, per still-masked position, the probability ``q_j`` that it joins the next commit set. Candidate
 sets come from a few cut-offs on ``q`` (each set always holds the most likely position), scored as independent
 Bernoullis: ``log P(S) = sum_{j in S} log q_j + sum_{j not in S} log(1 - q_j)``. Tokens are the stale coupled
-guesses; acceptance is exact state equality (same set, same tokens, same pass count).
+guesses (with ``neighbours``, re-ranked by the neighbours the parent filled since the stale pass: members of one set
+are chosen together from the parent's logits, so they never condition on each other); acceptance is exact state
+equality (same set, same tokens, same pass count).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +18,7 @@ import torch
 
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import ChildProposer, Children, StaleGuesses, grow_tree
+from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.order_model import FrozenOrderModel, OrderModel, StaleView
 from spot_dlm.tree import DraftTree
 
@@ -91,14 +95,32 @@ def _prefix_sums(values: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return sums
 
 
-def sets_children(join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: int) -> ChildProposer:
-    """ChildProposer from a function (states [B, L], steps) -> join probabilities [B, L]."""
+def sets_children(
+    join_probs, cutoffs: tuple[float, ...], keep: int, mask_id: int, guesses: StaleGuesses | None = None
+) -> ChildProposer:
+    """ChildProposer from a function (states [B, L], steps) -> join probabilities [B, L]. With ``guesses`` that
+    carry a neighbour correction, each member's token is chosen for its own parent."""
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
         probs = join_probs(states, steps).detach().cpu()  # [B, L]; sets are cut on the host
-        return batch_candidate_sets(probs, states.cpu() == mask_id, cutoffs, keep)
+        sets = batch_candidate_sets(probs, states.cpu() == mask_id, cutoffs, keep)
+        if guesses is None or guesses.neighbours is None:
+            return sets
+        return with_parent_tokens(sets, states.cpu().numpy(), steps, guesses)
 
     return children
+
+
+def with_parent_tokens(sets: Children, states: np.ndarray, steps: list[int], guesses: StaleGuesses) -> Children:
+    """The same sets with every member's best guess for its own parent state (``StaleGuesses.child_guesses``).
+    states int64 [B, L] on the host, one rule-step index per row."""
+    parent = sets.node[sets.commit_child]  # [P]
+    parent_step = np.asarray(steps)[parent]  # [P]
+    tokens = np.empty(len(parent), dtype=np.int64)
+    for step in np.unique(parent_step).tolist():
+        same = np.flatnonzero(parent_step == step)
+        tokens[same] = guesses.child_guesses(step, states[parent[same]], sets.commit_position[same], 1)[0][0]
+    return dataclasses.replace(sets, commit_token=tokens)
 
 
 @dataclass(frozen=True)
@@ -129,11 +151,12 @@ class SetsDrafter:
     budget: int = 16
     depth: int = 8
     cutoffs: tuple[float, ...] = DEFAULT_CUTOFFS
+    neighbours: NeighbourTokens | None = None  # re-ranks members' tokens by the parent's fresh neighbours
     name: str = "spot-sets"
 
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
-        guesses = StaleGuesses(context)
+        guesses = StaleGuesses(context, self.neighbours)
         view = StaleView.of(context, self.model.config)
 
         def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
@@ -141,5 +164,5 @@ class SetsDrafter:
             features = view.features(states, coupled)  # [B, L, F]
             return torch.sigmoid(self.model(features.to(self.model.device))).to(states.device)
 
-        children = sets_children(join_probs, self.cutoffs, self.budget - 1, context.mask_id)
+        children = sets_children(join_probs, self.cutoffs, self.budget - 1, context.mask_id, guesses)
         return grow_tree(context, self.budget, self.depth, guesses=guesses, children=children)
