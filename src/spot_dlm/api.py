@@ -177,7 +177,7 @@ class GenerateConfig:
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR  # spot: weight of log(stale coupled confidence) in the order
     min_path_prob: float = 0.0  # spot: draft only nodes whose path probability reaches this (0: fill the budget)
     token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
-    neighbour_tokens: bool = True  # spot: re-rank drafted tokens by fresh neighbours (the folder's bigram), if any
+    neighbour_tokens: bool = True  # spot, spot-sets: re-rank drafted tokens by fresh neighbours (bigram fit), if any
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)

@@ -454,7 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--no-neighbour-tokens",
         action="store_true",
-        help="spot: draft the plain stale guesses (ignore the drafter folder's bigram.safetensors)",
+        help="spot, spot-sets: draft the plain stale guesses (ignore the bigram.safetensors neighbour fit)",
     )
     gen.add_argument(
         "--no-neighbour-prior",
