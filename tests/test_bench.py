@@ -426,6 +426,14 @@ def test_method_options_parse_variant_suffixes() -> None:
     assert method_options("order-oracle-nb0") == ("order-oracle", {"neighbour_tokens": False})
 
 
+def test_variants_of_sets_methods_are_compared_with_their_threshold_rule() -> None:
+    from spot_dlm.bench.run import threshold_family
+
+    assert threshold_family("spot-sets-nb0") == threshold_family("spot-sets") == "threshold"
+    assert threshold_family("spot-sets-dynamic-nb0") == "dynamic"
+    assert threshold_family("spot-nb0") is None and threshold_family("threshold") == "threshold"
+
+
 def test_merge_reports_keeps_every_row_and_config() -> None:
     from spot_dlm.bench.run import merge_reports
 

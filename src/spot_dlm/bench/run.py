@@ -192,8 +192,10 @@ def _option_value(key: str, value: int):
 
 
 def threshold_family(method: str) -> str | None:
-    """The drafter-free threshold rule a method is compared with (None: compared with standard decoding)."""
-    return THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)
+    """The drafter-free threshold rule a method (variant suffixes included) is compared with (None: compared with
+    standard decoding)."""
+    base = method_options(method)[0]
+    return THRESHOLD_FAMILY.get(base) or (base if base in ("threshold", "dynamic") else None)
 
 
 def make_setting(
@@ -331,7 +333,7 @@ def _jobs(bench: BenchConfig) -> list[tuple[str, int, float]]:
             continue
         if method in ("threshold", "dynamic"):
             jobs += [(method, 1, tau) for tau in bench.taus]
-        elif method in THRESHOLD_FAMILY:
+        elif threshold_family(method):
             jobs += [(method, b, tau) for tau in bench.taus for b in bench.budgets]
         else:
             jobs += [(method, b, 0.9) for b in bench.budgets]
