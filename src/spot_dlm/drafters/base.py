@@ -45,7 +45,7 @@ class StaleGuesses:
     neighbours: NeighbourTokens | None = None
     _cache: dict[int, Proposal] = field(default_factory=dict)
     _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _tables: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> coupled scores [L, V] on the host
+    _tables: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> coupled scores [L, V]
 
     def at(self, step_index: int) -> Proposal:
         """Tokens int64 [L] and confidence float64 [L] under the noise of ``step_index``, at the positions masked in
@@ -144,7 +144,7 @@ class StaleGuesses:
         if key not in self._tables:
             z = ctx.stale_logits.to(torch.float64, copy=True)
             z[:, ctx.mask_id] = float("-inf")
-            self._tables[key] = self._coupled_scores(key, z).cpu()  # [L, V]
+            self._tables[key] = self._coupled_scores(key, z)  # [L, V], on the target's device
         scores, candidates = candidate_scores(self._tables[key], self.at(key).tokens, positions, count)
         if self._weight() == 0:
             return candidates, scores, None

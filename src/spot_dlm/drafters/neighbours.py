@@ -199,11 +199,11 @@ def rerank(scores: np.ndarray, candidates: np.ndarray, correction: np.ndarray, s
 
 def candidate_scores(coupled: torch.Tensor, rank0: torch.Tensor, positions: np.ndarray, count: int):
     """The ``count`` best coupled guesses at some positions, the rule's own choice first (it breaks ties by the
-    lowest token id, ``topk`` may not).
+    lowest token id, ``topk`` may not). Runs where ``coupled`` lives; only [C, R] comes to the host.
 
     coupled float64 [L, V] (coupled scores of every stale-masked row), rank0 int64 [L] (the rule's coupled token),
     positions int64 [C] -> (scores float64 [C, R], tokens int64 [C, R])"""
-    rows = coupled[torch.from_numpy(positions)]  # [C, V]
+    rows = coupled[torch.from_numpy(positions).to(coupled.device)]  # [C, V]
     tokens = rows.topk(min(count, rows.shape[-1]), dim=-1).indices.cpu().numpy()  # [C, R]
     first = rank0.cpu().numpy()[positions]  # [C]
     for row in np.flatnonzero(tokens[:, 0] != first):  # ties only: put the rule's token first
