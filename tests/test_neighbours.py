@@ -167,9 +167,9 @@ def test_node_confidence_moves_only_where_a_neighbour_was_filled(temperature: fl
     states = np.repeat(context.root.numpy()[None], 2, axis=0)
     states[1, 2] = 9  # a branch commit: positions 1 and 3 now have a fresh neighbour, as has 6 (next to the root's)
     steps = [context.root_step, context.root_step + 1]
-    plain = guesses_plain.node_confidence(steps, states)
-    corrected = guesses.node_confidence(steps, states)
     stale = torch.stack([guesses_plain.at(s).confidence for s in steps])
+    plain = guesses_plain.node_confidence(stale, steps, states)
+    corrected = guesses.node_confidence(stale, steps, states)
     assert torch.equal(plain, stale)
     moved = torch.zeros_like(stale, dtype=torch.bool)
     moved[0, ROOT_COMMIT - 1] = moved[1, ROOT_COMMIT - 1] = moved[1, 1] = moved[1, 3] = True

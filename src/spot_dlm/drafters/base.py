@@ -9,6 +9,7 @@ position* commits next; ``grow_tree`` turns that score into a tree, best-first b
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 from collections.abc import Callable, Iterator
@@ -94,18 +95,18 @@ class StaleGuesses:
             return candidates[:, :n].T, scores[:, :n].T
         return rerank(scores, candidates, correction, self._score_scale(), n)
 
-    def node_confidence(self, steps: list[int], states: np.ndarray) -> torch.Tensor:
-        """Each node's estimate of the rule's confidence at every position: the stale coupled confidence of its step,
-        and where a neighbour was filled since the stale pass, the corrected guess's probability under the corrected
-        distribution (``p(v) exp(w PMI)`` over the ``CANDIDATES`` best guesses, the rest of the mass unchanged).
-        states int64 [B, L] on the host -> float64 [B, L] (-inf where stale-committed)"""
+    def node_confidence(self, stale: torch.Tensor, steps: list[int], states: np.ndarray) -> torch.Tensor:
+        """Each node's estimate of the rule's confidence at every position: ``stale`` (the stale coupled confidence
+        of its step, float64 [B, L], -inf where stale-committed) and, where a neighbour was filled since the stale
+        pass, the corrected guess's probability under the corrected distribution (``p(v) exp(w PMI)`` over the
+        ``CANDIDATES`` best guesses, the rest of the mass unchanged). states int64 [B, L] on the host -> a new
+        float64 [B, L] on the host"""
         ctx = self.context
-        confidence = torch.stack([self.at(s).confidence for s in steps]).cpu()  # [B, L]
+        confidence = stale.cpu().clone()  # [B, L]
         if self._weight() == 0:
             return confidence
-        stale_masked = (ctx.parent == ctx.mask_id).cpu().numpy()  # [L]
         node, position = np.nonzero(states == ctx.mask_id)  # [M] each: the positions still to commit
-        left_fresh, _, right_fresh, _ = fresh_neighbours(states[node], position, stale_masked, ctx.mask_id)
+        left_fresh, _, right_fresh, _ = fresh_neighbours(states[node], position, self._stale_masked, ctx.mask_id)
         node, position = node[left_fresh | right_fresh], position[left_fresh | right_fresh]
         node_step = np.asarray(steps)[node]
         for step in np.unique(node_step).tolist():
@@ -125,6 +126,11 @@ class StaleGuesses:
         z = self.context.stale_logits[torch.from_numpy(positions)].to(torch.float64)  # [C, V]
         z[:, self.context.mask_id] = float("-inf")
         return torch.log_softmax(z, dim=-1).gather(1, torch.from_numpy(tokens).to(z.device)).cpu().numpy()
+
+    @functools.cached_property
+    def _stale_masked(self) -> np.ndarray:
+        """bool [L] on the host: the positions masked in the stale state (a neighbour filled since is "fresh")."""
+        return (self.context.parent == self.context.mask_id).cpu().numpy()
 
     def _weight(self) -> float:
         return 0.0 if self.neighbours is None else self.neighbours.weight(self.context.rule.temperature)
@@ -148,8 +154,7 @@ class StaleGuesses:
         scores, candidates = candidate_scores(self._tables[key], self.at(key).tokens, positions, count)
         if self._weight() == 0:
             return candidates, scores, None
-        stale_masked = (ctx.parent == ctx.mask_id).cpu().numpy()  # [L]
-        fresh = fresh_neighbours(parents, positions, stale_masked, ctx.mask_id)
+        fresh = fresh_neighbours(parents, positions, self._stale_masked, ctx.mask_id)
         return candidates, scores, neighbour_correction(self.neighbours.table, candidates, *fresh)
 
     def _coupled_scores(self, step_index: int, z: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

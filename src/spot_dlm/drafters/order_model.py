@@ -387,7 +387,7 @@ class SpotDrafter:
             logits = torch.stack(rows).to(torch.float64)  # [B, L]
             if self.confidence_prior:
                 if self.neighbour_prior and self.neighbours is not None:
-                    coupled = guesses.node_confidence(steps, states.cpu().numpy()).to(logits.device)
+                    coupled = guesses.node_confidence(coupled, steps, states.cpu().numpy()).to(logits.device)
                 logits = logits + self.confidence_prior * coupled.clamp_min(1e-12).log()
             return masked_log_normalise(logits, states == context.mask_id)
 
