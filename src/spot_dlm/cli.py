@@ -334,8 +334,10 @@ def _fit_token_survival(args: argparse.Namespace) -> int:
     if bigram is not None:
         weights = fit_neighbour_weight(greedy), fit_neighbour_weight(sampled)
         corrected = fit_neighbour_survival(greedy, sampled, weights)
-        ranks = {id(greedy): weights[0], id(sampled): weights[1]}
-        _print_survival("neighbour", corrected, greedy, sampled, lambda o, d: o.neighbour_arrays(ranks[id(o)], d)[1])
+        weight_of = {greedy.temperature: weights[0], sampled.temperature: weights[1]}
+        _print_survival(
+            "neighbour", corrected, greedy, sampled, lambda o, d: o.neighbour_arrays(weight_of[o.temperature], d)[1]
+        )
         print(f"neighbour weights: greedy {weights[0]:g}, sampled {weights[1]:g}")
         print(f"wrote {save_neighbour_fit(weights, corrected, out)}")
     return 0

@@ -27,6 +27,7 @@ from spot_dlm.api import (
     encode_prompt,
     generate,
     make_drafter,
+    neighbour_fit,
     target_device,
 )
 from spot_dlm.decode import Drafter, RawGeneration
@@ -232,11 +233,7 @@ def make_setting(
 
 def order_oracle_neighbours(config: GenerateConfig, target):
     """The neighbour correction SPOT would use with this config (None: off, or no fit in the drafter folder)."""
-    from spot_dlm.drafters.neighbours import load_neighbour_fit
-
-    if not config.neighbour_tokens:
-        return None
-    fit = load_neighbour_fit(Path(config.drafter) if config.drafter else default_drafter_dir(), target.vocab_size)
+    fit = neighbour_fit(config, target, Path(config.drafter) if config.drafter else default_drafter_dir())
     return None if fit is None else fit[0]
 
 
