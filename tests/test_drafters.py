@@ -269,6 +269,35 @@ def test_stale_guesses_follow_the_step_noise() -> None:
     assert any(not torch.equal(hot.at(1).tokens, hot.at(s).tokens) for s in range(2, 8))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("seed", range(3))
+def test_guess_table_holds_the_best_coupled_guesses_of_stale_masked_positions(temperature: float, seed: int) -> None:
+    """Per step: the R best coupled guesses (the rule's first), their scores ``Z / T + gumbel`` and stale
+    log-probabilities, at exactly the positions masked in the stale state; others are refused."""
+    context = make_context(temperature, seed=seed)
+    parent = context.parent.clone()
+    parent[seed] = 9  # committed before the stale pass: no guesses there
+    context = dataclasses.replace(context, parent=parent, root=torch.where(parent != MASK, parent, context.root))
+    guesses = StaleGuesses(context)
+    z = context.stale_logits.clone()
+    z[:, MASK] = float("-inf")
+    coupled = z / temperature + context.gumbel(3) if temperature > 0 else z
+    table = guesses.table(3, 5)
+    masked = np.flatnonzero(parent.numpy() == MASK)
+    assert np.array_equal(np.flatnonzero(table.row >= 0), masked)
+    rows = table.rows(masked)
+    assert np.array_equal(table.tokens[rows, 0], guesses.at(3).tokens.numpy()[masked])
+    for position, row in zip(masked.tolist(), rows.tolist()):
+        tokens = table.tokens[row]
+        assert len(set(tokens.tolist())) == len(tokens) == min(16, V)
+        assert np.all(table.scores[row][tokens == MASK] == float("-inf"))  # the mask token is never a guess
+        assert np.array_equal(table.scores[row], coupled[position, tokens].numpy())
+        assert np.all(np.diff(table.scores[row]) <= 0)  # best first
+        np.testing.assert_allclose(table.logprob[row], torch.log_softmax(z[position], -1)[tokens].numpy(), atol=1e-12)
+    with pytest.raises(ValueError, match="committed in the stale state"):
+        table.rows(np.array([seed]))
+
+
 # ------------------------------------------------------------------------------ chain and calibrated drafters
 
 

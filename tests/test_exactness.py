@@ -363,6 +363,35 @@ def test_features_at_decode_time_equal_the_features_trained_on(temperature: floa
         torch.testing.assert_close(live, logged, atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_each_round_hands_the_drafter_the_rules_own_proposal(temperature: float, seed: int) -> None:
+    """``DraftContext.proposal`` is the rule's proposal at the stale state under the free commit's noise, whichever
+    node was accepted last (at T = 0 drafters take their stale guesses from it instead of recomputing them)."""
+    from spot_dlm.rules import propose
+
+    case = make_case(seed, kind="deep", block_length=8, gen_length=24, budget=6, depth=4)
+    rule = CommitRule("one", temperature=temperature)
+    inner, contexts = make_drafter("stale", case, rule, "batched", None), []
+
+    class Recorder:
+        name = "recorder"
+
+        def propose(self, context: DraftContext):
+            contexts.append(context)
+            return inner.propose(context)
+
+    decode_ids(target_for(case, "batched"), case.prompt(), case.settings(rule), Recorder(), case.key)
+    deep = 0
+    for ctx in contexts:
+        noise = ctx.gumbel(ctx.root_step - 1, ctx.parent == MASK_ID)[None] if temperature > 0 else None
+        expected = propose(ctx.parent[None], ctx.stale_logits[None], noise, rule, MASK_ID)
+        assert torch.equal(ctx.proposal.tokens, expected.tokens[0])
+        assert torch.equal(ctx.proposal.confidence, expected.confidence[0])
+        deep += ctx.root_step > 1 and int((ctx.parent != MASK_ID).sum()) > 0
+    assert deep > 0  # rounds after accepted drafts were checked too
+
+
 @pytest.fixture(scope="module")
 def trained() -> OrderModel:
     return collect_and_train()[0]

@@ -26,7 +26,7 @@ import torch
 
 from spot_dlm.models.base import Target
 from spot_dlm.noise import BlockNoise, NoiseKey
-from spot_dlm.rules import CommitRule, step
+from spot_dlm.rules import CommitRule, Proposal, StepResult, step
 from spot_dlm.tree import DraftTree, root_only
 
 
@@ -44,6 +44,7 @@ class DraftContext:
     mask_id: int
     block_noise: BlockNoise | None = None  # the loop's memo of this block's noise tables (None: draw afresh)
     previous_logits: torch.Tensor | None = None  # [L, V]: Z of the state one commit before ``parent`` (None: none)
+    proposal: Proposal | None = None  # the rule's proposal at ``parent`` for the free commit (None: not given)
 
     def gumbel(self, step_index: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Keyed noise of rule step ``step_index``, float64 [L, V] (shared: do not modify); with ``positions``
@@ -168,10 +169,15 @@ def _apply_rule(
     settings: DecodeSettings,
     block_noise: BlockNoise,
     mask_id: int,
-) -> torch.Tensor:
-    """The rule's true next state for every node. states [N, L], logits [N, L, V] -> [N, L]"""
+) -> StepResult:
+    """The rule's step for every node: true next states [N, L] and the proposal they came from.
+    states [N, L], logits [N, L, V]"""
     noise = step_noise(block_noise, steps, settings.rule, states, mask_id)
-    return step(states, logits, noise, settings.rule, mask_id).tokens
+    return step(states, logits, noise, settings.rule, mask_id)
+
+
+def _row(proposal: Proposal, node: int) -> Proposal:
+    return Proposal(tokens=proposal.tokens[node], confidence=proposal.confidence[node])
 
 
 def _accept(tree: DraftTree, next_states: torch.Tensor) -> list[int]:
@@ -204,7 +210,8 @@ def decode_block(
     scored = target.score(cache, state[None], finished)
     cache, logits, step_index = scored.cache, scored.logits[0], 0
     block_noise = BlockNoise(key, block_index, length, logits.shape[-1], logits.device)
-    next_state = _apply_rule(state[None], logits[None], (0,), settings, block_noise, mask_id)[0]
+    stepped = _apply_rule(state[None], logits[None], (0,), settings, block_noise, mask_id)
+    next_state, proposal = stepped.tokens[0], _row(stepped.proposal, 0)
 
     def passes() -> int:
         return target.counter.passes - first_pass
@@ -221,12 +228,23 @@ def decode_block(
         block_noise.forget_before(step_index)
         tick = time.perf_counter()
         context = DraftContext(
-            state, parent, logits, step_index, block_index, key, settings.rule, mask_id, block_noise, previous_logits
+            state,
+            parent,
+            logits,
+            step_index,
+            block_index,
+            key,
+            settings.rule,
+            mask_id,
+            block_noise,
+            previous_logits,
+            proposal,
         )
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick
         node_logits = target.score(cache, tree.states).logits  # [N, L, V]
-        next_states = _apply_rule(tree.states, node_logits, tree.steps, settings, block_noise, mask_id)
+        stepped = _apply_rule(tree.states, node_logits, tree.steps, settings, block_noise, mask_id)
+        next_states = stepped.tokens
         path = _accept(tree, next_states)
         stats.accepted_lengths[len(path)] += 1
         for a, b in zip(path, path[1:]):
@@ -242,6 +260,7 @@ def decode_block(
             tree.steps[node],
             next_states[node],
         )
+        proposal = _row(stepped.proposal, node)
 
 
 def decode_ids(

@@ -22,16 +22,64 @@ from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.neighbours import (
     CANDIDATES,
     NeighbourTokens,
-    candidate_scores,
     fresh_neighbours,
     neighbour_correction,
     rerank,
+    rule_first,
 )
 from spot_dlm.drafters.token_survival import SURVIVAL_RANKS, TokenSurvival
 from spot_dlm.rules import Proposal, propose
 from spot_dlm.tree import DraftTree, TreeBuilder
 
 TOP_K_FEATURES = 32
+
+
+@dataclass(frozen=True)
+class GuessTable:
+    """The best stale coupled guesses of one rule step at every position masked in the stale state, on the host.
+
+    Built in one go per step (one ``topk`` and one ``log_softmax`` over those rows), so every later question about
+    guesses (a commit's candidates, their scores, their stale probabilities) is an array lookup.
+    """
+
+    row: np.ndarray  # int64 [L]: each position's row below (-1: committed in the stale state, no guesses)
+    tokens: np.ndarray  # int64 [M, R]: best first, rank 0 the rule's own choice
+    scores: np.ndarray  # float64 [M, R]: their coupled scores (``Z / T + gumbel``; ``Z`` at T = 0)
+    logprob: np.ndarray  # float64 [M, R]: their stale log-probabilities
+
+    @property
+    def ranks(self) -> int:
+        return self.tokens.shape[1]
+
+    def rows(self, positions: np.ndarray) -> np.ndarray:
+        """Table rows of stale-masked positions. int64 [C] -> int64 [C]"""
+        rows = self.row[positions]
+        if (rows < 0).any():
+            raise ValueError(f"positions {positions[rows < 0].tolist()} were committed in the stale state: no guesses")
+        return rows
+
+
+def guess_table(context: DraftContext, step_index: int, rank0: torch.Tensor, count: int) -> GuessTable:
+    """The ``count`` best coupled guesses at the stale-masked positions under the noise of ``step_index``, the
+    rule's choice ``rank0`` (int64 [L]) first."""
+    stale_masked = context.parent == context.mask_id  # [L]
+    positions = torch.nonzero(stale_masked).flatten()  # [M]
+    z = context.stale_logits[positions].to(torch.float64)  # [M, V], a copy
+    z[:, context.mask_id] = float("-inf")
+    coupled = z
+    if context.rule.needs_noise:
+        coupled = z / context.rule.temperature + context.gumbel(step_index, stale_masked)[positions]
+    tokens = coupled.topk(min(count, z.shape[-1]), dim=-1).indices.cpu().numpy()  # [M, R]
+    tokens = rule_first(tokens, rank0[positions].cpu().numpy())
+    index = torch.from_numpy(tokens).to(z.device)
+    row = np.full(stale_masked.shape[0], -1, dtype=np.int64)
+    row[positions.cpu().numpy()] = np.arange(len(positions))
+    return GuessTable(
+        row=row,
+        tokens=tokens,
+        scores=coupled.gather(1, index).cpu().numpy(),
+        logprob=torch.log_softmax(z, dim=-1).gather(1, index).cpu().numpy(),
+    )
 
 
 @dataclass
@@ -46,43 +94,58 @@ class StaleGuesses:
     neighbours: NeighbourTokens | None = None
     _cache: dict[int, Proposal] = field(default_factory=dict)
     _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _tables: dict[int, torch.Tensor] = field(default_factory=dict)  # step -> coupled scores [L, V]
+    _tables: dict[int, GuessTable] = field(default_factory=dict)
+
+    def _key(self, step_index: int) -> int:
+        """Without noise every step guesses alike: one entry serves them all."""
+        return step_index if self.context.rule.needs_noise else 0
 
     def at(self, step_index: int) -> Proposal:
         """Tokens int64 [L] and confidence float64 [L] under the noise of ``step_index``, at the positions masked in
         the stale state (elsewhere: the stale state's token and confidence -inf)."""
         ctx = self.context
-        step_index = step_index if ctx.rule.needs_noise else 0  # without noise every step guesses alike
+        step_index = self._key(step_index)
         if step_index not in self._cache:
+            if not ctx.rule.needs_noise and ctx.proposal is not None:  # the loop's own free-commit proposal
+                self._cache[step_index] = ctx.proposal
+                return ctx.proposal
             stale_masked = ctx.parent == ctx.mask_id  # every node of the tree commits among these positions
             noise = ctx.gumbel(step_index, stale_masked)[None] if ctx.rule.needs_noise else None
             full = propose(ctx.parent[None], ctx.stale_logits[None], noise, ctx.rule, ctx.mask_id)  # [1, L]
             self._cache[step_index] = Proposal(tokens=full.tokens[0], confidence=full.confidence[0])
         return self._cache[step_index]
 
+    def table(self, step_index: int, count: int = CANDIDATES) -> GuessTable:
+        """The step's guess table with at least min(count, V) guesses per position."""
+        key = self._key(step_index)
+        table = self._tables.get(key)
+        if table is None or table.ranks < min(count, self.context.stale_logits.shape[-1]):
+            table = guess_table(self.context, key, self.at(key).tokens, max(count, CANDIDATES))
+            self._tables[key] = table
+        return table
+
     def ranked(self, step_index: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The n best coupled tokens per position (rank 0 is ``at(step).tokens``) and their stale log-probs.
 
-        Returns tokens int64 [n, L] and log-probabilities float64 [n, L] under the stale distribution; rows of
-        positions not masked in the stale state are meaningless (no node commits them).
+        Returns tokens int64 [n, L] and log-probabilities float64 [n, L] on the host; rows of positions not masked
+        in the stale state hold the stale state's token and 0 (no node commits them).
         """
-        ctx = self.context
-        step_index = step_index if ctx.rule.needs_noise else 0
-        if (step_index, n) not in self._ranked:
-            z = ctx.stale_logits.to(torch.float64, copy=True)
-            z[:, ctx.mask_id] = float("-inf")
-            tokens = self._coupled_scores(step_index, z).topk(n, dim=-1).indices  # [L, n]; ties: argmax for rank 0
-            tokens[:, 0] = self.at(step_index).tokens
-            logprob = torch.log_softmax(z, dim=-1).gather(-1, tokens)  # [L, n]
-            self._ranked[(step_index, n)] = (tokens.T.contiguous(), logprob.T.contiguous())
-        return self._ranked[(step_index, n)]
+        key = (self._key(step_index), n)
+        if key not in self._ranked:
+            table = self.table(step_index, n)
+            masked = table.row >= 0  # [L]
+            tokens = np.repeat(self.at(step_index).tokens.cpu().numpy()[None], n, axis=0)  # [n, L]
+            logprob = np.zeros(tokens.shape)
+            tokens[:, masked] = table.tokens[:, :n].T
+            logprob[:, masked] = table.logprob[:, :n].T
+            self._ranked[key] = (torch.from_numpy(tokens), torch.from_numpy(logprob))
+        return self._ranked[key]
 
     def best_scores(self, step_index: int, positions: torch.Tensor, n: int) -> torch.Tensor:
         """The coupled scores of the n best guesses at some positions masked in the stale state, best first
-        (what ``TokenSurvival`` reads). positions int64 [P] -> float64 [n, P]"""
-        z = self.context.stale_logits[positions].to(torch.float64)  # [P, V], a copy
-        z[:, self.context.mask_id] = float("-inf")
-        return self._coupled_scores(step_index, z, positions).topk(n, dim=-1).values.T
+        (what ``TokenSurvival`` reads). positions int64 [P] -> float64 [n, P] on the host"""
+        table = self.table(step_index, n)
+        return torch.from_numpy(table.scores[table.rows(positions.cpu().numpy()), :n].T)
 
     def child_guesses(
         self, step_index: int, parents: np.ndarray, positions: np.ndarray, n: int
@@ -90,9 +153,13 @@ class StaleGuesses:
         """The n best guesses for commits at ``positions`` made from the ``parents`` states by rule step
         ``step_index``, best first, with the neighbour correction when there is one: tokens int64 [n, C] and their
         (corrected) coupled scores float64 [n, C]. parents int64 [C, L] on the host, positions int64 [C]."""
-        candidates, scores, correction = self._candidates(step_index, parents, positions, max(CANDIDATES, n))
-        if correction is None:
+        table = self.table(step_index, n)
+        rows, count = table.rows(positions), max(CANDIDATES, n)
+        candidates, scores = table.tokens[rows, :count], table.scores[rows, :count]  # [C, R]
+        if self._weight() == 0:
             return candidates[:, :n].T, scores[:, :n].T
+        fresh = fresh_neighbours(parents, positions, self._stale_masked, self.context.mask_id)
+        correction = neighbour_correction(self.neighbours.table, candidates, *fresh)
         return rerank(scores, candidates, correction, self._score_scale(), n)
 
     def node_confidence(self, stale: torch.Tensor, steps: list[int], states: np.ndarray) -> torch.Tensor:
@@ -106,19 +173,24 @@ class StaleGuesses:
         if self._weight() == 0:
             return confidence
         node, position = np.nonzero(states == ctx.mask_id)  # [M] each: the positions still to commit
-        left_fresh, _, right_fresh, _ = fresh_neighbours(states[node], position, self._stale_masked, ctx.mask_id)
-        node, position = node[left_fresh | right_fresh], position[left_fresh | right_fresh]
+        fresh = fresh_neighbours(states[node], position, self._stale_masked, ctx.mask_id)
+        moved = fresh[0] | fresh[2]
+        node, position, fresh = node[moved], position[moved], [flags[moved] for flags in fresh]
         node_step = np.asarray(steps)[node]
         for step in np.unique(node_step).tolist():
-            rows, at = node[node_step == step], position[node_step == step]
-            candidates, scores, correction = self._candidates(step, states[rows], at, CANDIDATES)  # [c, R] each
-            best = np.argmax(scores + self._score_scale() * correction, axis=1)  # [c]: the corrected guess
-            logp = self.stale_logprobs(at, candidates)  # [c, R]
+            same = node_step == step
+            table = self.table(step)
+            index = table.rows(position[same])
+            candidates = table.tokens[index, :CANDIDATES]  # [c, R]
+            logp = table.logprob[index, :CANDIDATES]  # [c, R]
+            correction = neighbour_correction(self.neighbours.table, candidates, *[f[same] for f in fresh])
+            best = np.argmax(table.scores[index, :CANDIDATES] + self._score_scale() * correction, axis=1)  # [c]
             shifted = logp + self._weight() * correction  # log p(v) + w PMI: the corrected logits, unnormalised
             tail = np.log1p(-np.minimum(np.exp(logp).sum(1), 1 - 1e-12))  # [c]: stale mass of the other tokens
             total = np.logaddexp(np.logaddexp.reduce(shifted, axis=1), tail)  # [c]
             chosen = np.take_along_axis(shifted, best[:, None], 1)[:, 0] - total
-            confidence[torch.from_numpy(rows), torch.from_numpy(at)] = torch.from_numpy(np.exp(chosen))
+            rows, at = torch.from_numpy(node[same]), torch.from_numpy(position[same])
+            confidence[rows, at] = torch.from_numpy(np.exp(chosen))
         return confidence
 
     def stale_logprobs(self, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -139,32 +211,6 @@ class StaleGuesses:
         """What one nat of the correction adds to a coupled score (``Z / T + gumbel``; ``Z`` at T = 0)."""
         rule = self.context.rule
         return self._weight() / (rule.temperature if rule.needs_noise else 1.0)
-
-    def _candidates(
-        self, step_index: int, parents: np.ndarray, positions: np.ndarray, count: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """The ``count`` best stale coupled guesses per commit (the rule's first), their coupled scores, and their PMI
-        with the commit's fresh neighbours (None without a correction): [C, R] each."""
-        ctx = self.context
-        key = step_index if ctx.rule.needs_noise else 0
-        if key not in self._tables:
-            z = ctx.stale_logits.to(torch.float64, copy=True)
-            z[:, ctx.mask_id] = float("-inf")
-            self._tables[key] = self._coupled_scores(key, z)  # [L, V], on the target's device
-        scores, candidates = candidate_scores(self._tables[key], self.at(key).tokens, positions, count)
-        if self._weight() == 0:
-            return candidates, scores, None
-        fresh = fresh_neighbours(parents, positions, self._stale_masked, ctx.mask_id)
-        return candidates, scores, neighbour_correction(self.neighbours.table, candidates, *fresh)
-
-    def _coupled_scores(self, step_index: int, z: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """What the coupled guess maximises: ``z / T + gumbel`` (T > 0) or ``z`` (T = 0). z float64 [L or P, V] with
-        the rows of all positions or of ``positions`` (int64 [P])."""
-        ctx = self.context
-        if not ctx.rule.needs_noise:
-            return z
-        noise = ctx.gumbel(step_index, ctx.parent == ctx.mask_id)  # [L, V]: the stale-masked rows are drawn
-        return z / ctx.rule.temperature + (noise if positions is None else noise[positions])
 
     def tokens(self, step_index: int, rank: int) -> torch.Tensor:
         """Coupled token guesses of a given rank for every position. -> int64 [L]"""

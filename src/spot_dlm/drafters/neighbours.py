@@ -205,13 +205,19 @@ def candidate_scores(coupled: torch.Tensor, rank0: torch.Tensor, positions: np.n
     positions int64 [C] -> (scores float64 [C, R], tokens int64 [C, R])"""
     rows = coupled[torch.from_numpy(positions).to(coupled.device)]  # [C, V]
     tokens = rows.topk(min(count, rows.shape[-1]), dim=-1).indices.cpu().numpy()  # [C, R]
-    first = rank0.cpu().numpy()[positions]  # [C]
-    for row in np.flatnonzero(tokens[:, 0] != first):  # ties only: put the rule's token first
+    tokens = rule_first(tokens, rank0.cpu().numpy()[positions])
+    return rows.gather(1, torch.from_numpy(tokens).to(rows.device)).cpu().numpy(), tokens
+
+
+def rule_first(tokens: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Best guesses with the rule's own choice at rank 0: ``topk`` may order tied scores otherwise (the rule takes
+    the lowest token id). tokens int64 [C, R] best first, first int64 [C] -> tokens, changed in place"""
+    for row in np.flatnonzero(tokens[:, 0] != first):  # ties only
         at = np.flatnonzero(tokens[row] == first[row])
         if len(at):
             tokens[row, at[0]] = tokens[row, 0]
         tokens[row, 0] = first[row]
-    return rows.gather(1, torch.from_numpy(tokens).to(rows.device)).cpu().numpy(), tokens
+    return tokens
 
 
 NEIGHBOUR_FIT_FILE = "token_survival_neighbours.json"

@@ -122,7 +122,6 @@ class OracleDrafter:
                 break
         return builder.build()
 
-
     def _guess(self, guesses: StaleGuesses, step: int, state: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Tokens int64 [L] whose entries at ``position`` (bool [L]) are the guesses for committing them from
         ``state`` by rule step ``step``."""
