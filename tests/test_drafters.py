@@ -904,6 +904,21 @@ def test_train_drafter_continues_from_a_trained_drafter(standard_shards, tmp_pat
         )
 
 
+def test_train_drafter_of_another_shape(standard_shards, tmp_path: Path) -> None:
+    """``shape`` sets the order model's width, layers and heads; a warm start of another shape and heads that do not
+    divide the width are refused before any data is read."""
+    config, _ = standard_shards
+    out = tmp_path / "small"
+    metrics = train_drafter(config.out_dir, out, minutes=0.02, max_depth=DEPTH, shape=(16, 1, 2))
+    model = load_order_model(out)
+    assert (model.config.d_model, model.config.n_layers, model.config.n_heads) == (16, 1, 2)
+    assert metrics["parameters"] == sum(p.numel() for p in model.parameters()) < 10_000
+    with pytest.raises(ValueError, match="config"):
+        train_drafter(config.out_dir, tmp_path / "x", minutes=0.02, max_depth=DEPTH, shape=(32, 1, 2), init=out)
+    with pytest.raises(ValueError, match="not divisible"):
+        train_drafter(tmp_path / "no-shards", tmp_path / "y", minutes=0.02, shape=(30, 1, 4))
+
+
 def widened_folder(folder: Path, tmp_path: Path) -> Path:
     """A drafter with the temperature input, started from ``folder``'s drafter (which lacks it)."""
     trained = load_order_model(folder)

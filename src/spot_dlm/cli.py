@@ -367,6 +367,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         temperature_feature=args.temperature_feature,
         previous_feature=args.previous_feature,
         init=_drafter_folder(args.init),
+        shape=(args.d_model, args.n_layers, args.n_heads),
     )
     if not args.sets:  # the Spiffy-style calibrated graph is built from the same one-commit trajectories
         data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
@@ -601,6 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="continue from a trained drafter folder (or builtin); it may lack an input asked for here (zero weights)",
     )
+    tdr.add_argument("--d-model", type=int, default=128, help="order model width (the paper's: 128)")
+    tdr.add_argument("--n-layers", type=int, default=3, help="order model layers (the paper's: 3)")
+    tdr.add_argument("--n-heads", type=int, default=8, help="attention heads; must divide --d-model")
     tdr.set_defaults(func=_train_drafter)
     return parser
 

@@ -142,6 +142,9 @@ def naive_accuracy(data, cum, ex: Examples, max_depth: int) -> dict[int, float]:
     return out
 
 
+DEFAULT_SHAPE = (OrderModelConfig.d_model, OrderModelConfig.n_layers, OrderModelConfig.n_heads)
+
+
 def warm_start(folder: Path, config: OrderModelConfig) -> OrderModel:
     """A trained drafter to continue from. Its config must be the one asked for, except that ``config`` may read
     more inputs (e.g. the temperature): their input weights start at zero, so training starts from the same function.
@@ -177,11 +180,23 @@ def train_drafter(
     temperature_feature: bool = False,
     previous_feature: bool = False,
     init: Path | None = None,
+    shape: tuple[int, int, int] | None = None,
 ) -> dict:
     """Train the order model (or the sets model) on trajectory shards for ``minutes``; save it with held-out metrics.
 
     ``init`` starts from a trained drafter folder (e.g. the previous target's) with the same inputs or fewer.
+    ``shape`` = (width, layers, heads) of the model (default: the paper's 128, 3, 8, about 0.6M parameters); a
+    smaller one costs less per round where the drafter's compute counts against a small target (a CPU).
     """
+    d_model, n_layers, n_heads = shape if shape is not None else DEFAULT_SHAPE
+    config = OrderModelConfig(
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        threshold_feature=sets,
+        temperature_feature=temperature_feature,
+        previous_feature=previous_feature,
+    )
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     data = load_shards(sorted(Path(shard_dir).glob("shard_*.npz")))
@@ -191,9 +206,6 @@ def train_drafter(
     cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
     train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout), sets)
     held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout), sets)
-    config = OrderModelConfig(
-        threshold_feature=sets, temperature_feature=temperature_feature, previous_feature=previous_feature
-    )
     model = OrderModel(config) if init is None else warm_start(Path(init), config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
