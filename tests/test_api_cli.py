@@ -186,6 +186,22 @@ def test_cli_generate_json(
     assert 2 <= record["target_passes"] <= 1 + 8
 
 
+def test_cli_order_model_option(capsys: pytest.CaptureFixture, checkpoint_dir: Path, tmp_path: Path) -> None:
+    """--order-model small reads the drafter folder's small/ model, and says so clearly when there is none."""
+    from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, save_order_model
+
+    folder = tmp_path / "drafter"
+    save_order_model(OrderModel(OrderModelConfig(d_model=16, n_layers=1, n_heads=2)), folder)
+    spot = ("--prompt", PROMPT, "--json", "--method", "spot", "--budget", "3", "--drafter", str(folder))
+    code, _, err = run_cli(capsys, *generate_args(checkpoint_dir, *spot, "--order-model", "small"))
+    assert code == 2 and "no small order model" in err
+    save_order_model(OrderModel(OrderModelConfig(d_model=8, n_layers=1, n_heads=2)), folder / "small")
+    code, out, err = run_cli(capsys, *generate_args(checkpoint_dir, *spot, "--order-model", "small"))
+    assert code == 0, err
+    standard = run_cli(capsys, *generate_args(checkpoint_dir, "--prompt", PROMPT, "--json"))[1]
+    assert json.loads(out)["token_ids"] == json.loads(standard)["token_ids"]
+
+
 def test_cli_full_length_pass_count(capsys: pytest.CaptureFixture, checkpoint_dir: Path) -> None:
     code, out, err = run_cli(capsys, *generate_args(checkpoint_dir, "--prompt", PROMPT, "--json", "--full-length"))
     assert code == 0, err

@@ -424,6 +424,9 @@ def test_method_options_parse_variant_suffixes() -> None:
         {"confidence_prior": 5, "token_survival": False, "neighbour_tokens": True, "neighbour_prior": False},
     )
     assert method_options("order-oracle-nb0") == ("order-oracle", {"neighbour_tokens": False})
+    assert method_options("spot-small") == ("spot", {"order_model": "small"})
+    assert method_options("spot-nb0-paper") == ("spot", {"neighbour_tokens": False, "order_model": "paper"})
+    assert method_options("spot-smaller") == ("spot-smaller", {})
 
 
 def test_variants_of_sets_methods_are_compared_with_their_threshold_rule() -> None:

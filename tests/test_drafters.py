@@ -496,6 +496,33 @@ def test_order_model_round_trip(saved_order_model: tuple[OrderModel, Path]) -> N
         assert torch.equal(loaded(features), model(features))
 
 
+def test_order_model_size_picks_the_folder_or_its_small_one(make_target, tmp_path: Path) -> None:
+    """paper: the drafter folder's own model; small: its ``small/`` one (a clear error without it); auto: the small one
+    for a target on the CPU when there is one, the paper's size on a GPU."""
+    from types import SimpleNamespace
+
+    from spot_dlm.api import GenerateConfig, make_drafter, order_model_folder
+
+    def order_model(method: str = "spot", **options) -> OrderModelConfig:
+        config = GenerateConfig(method=method, drafter=str(tmp_path / "drafter"), **options)
+        return make_drafter(config, make_target()).model.config
+
+    paper, small = OrderModelConfig(d_model=32, n_layers=2, n_heads=4), OrderModelConfig(d_model=16, n_heads=2)
+    save_order_model(OrderModel(paper), tmp_path / "drafter")
+    assert order_model(order_model="paper") == order_model(order_model="auto") == paper
+    with pytest.raises(ValueError, match="no small order model"):
+        order_model(order_model="small")
+    save_order_model(OrderModel(small), tmp_path / "drafter" / "small")
+    assert order_model(order_model="small") == order_model(order_model="auto") == small
+    assert order_model(order_model="paper") == paper
+    on_gpu = SimpleNamespace(device=torch.device("cuda"))
+    folder = tmp_path / "drafter"
+    assert order_model_folder(GenerateConfig(method="spot"), on_gpu, folder) == folder
+    assert order_model_folder(GenerateConfig(method="spot", order_model="small"), on_gpu, folder) == folder / "small"
+    with pytest.raises(ValueError, match="unknown order model"):
+        GenerateConfig(method="spot", order_model="huge")
+
+
 def test_corrupt_order_model_weights(saved_order_model: tuple[OrderModel, Path]) -> None:
     _, folder = saved_order_model
     (folder / "drafter.safetensors").write_bytes(b"\x00garbage" * 10)

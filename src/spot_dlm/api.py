@@ -43,18 +43,40 @@ def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
     return None
 
 
+ORDER_MODEL_SIZES = ("auto", "paper", "small")
+SMALL_ORDER_MODEL = "small"  # the sub-folder of a drafter folder that holds its smaller order model, if any
+
+
+def order_model_folder(config: GenerateConfig, target: Target, folder: Path) -> Path:
+    """Where SPOT's order model lives: the drafter folder itself (the paper's size) or its ``small/`` sub-folder.
+
+    ``auto`` takes the small one for a target on the CPU when the folder has one: there the order model's compute
+    is a visible share of each round next to a small target, while on a GPU both sizes cost about one launch
+    sequence and the larger one predicts better."""
+    small = folder / SMALL_ORDER_MODEL
+    has_small = (small / "drafter_config.json").is_file()
+    if config.order_model == "small":
+        if not has_small:
+            raise ValueError(f"no small order model in {folder} (expected {small}/drafter_config.json)")
+        return small
+    if config.order_model == "auto" and has_small and target_device(target).type == "cpu":
+        return small
+    return folder
+
+
 def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.order_model import SpotDrafter, freeze_order_model, load_order_model
     from spot_dlm.drafters.token_survival import load_token_survival
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
+    model = load_order_model(order_model_folder(config, target, folder))
     survival = load_token_survival(folder) if config.token_survival else None
     fit = neighbour_fit(config, target, folder)
     neighbours = None
     if fit is not None:  # the corrected guesses come with the survival fitted on them
         neighbours, survival = fit[0], (fit[1] if config.token_survival else None)
     return SpotDrafter(
-        freeze_order_model(load_order_model(folder).to(target_device(target))),
+        freeze_order_model(model.to(target_device(target))),
         budget=config.budget,
         depth=config.depth,
         alternatives=config.alternatives,
@@ -179,6 +201,7 @@ class GenerateConfig:
     token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
     neighbour_tokens: bool = True  # spot, spot-sets: re-rank drafted tokens by fresh neighbours (bigram fit), if any
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
+    order_model: str = "auto"  # spot: paper (0.6M), small (the folder's small/), auto (small on a CPU if there is one)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 
@@ -203,6 +226,8 @@ class GenerateConfig:
             raise ValueError(f"confidence_prior must be >= 0, got {self.confidence_prior}")
         if not 0 <= self.min_path_prob < 1:
             raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
+        if self.order_model not in ORDER_MODEL_SIZES:
+            raise ValueError(f"unknown order model {self.order_model!r}; choose one of {', '.join(ORDER_MODEL_SIZES)}")
         if self.alternatives < 1:
             raise ValueError(f"alternatives must be >= 1, got {self.alternatives}")
         if self.seed < 0:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from spot_dlm.api import METHOD_RULES, GenerateConfig, generate, load_target
+from spot_dlm.api import METHOD_RULES, ORDER_MODEL_SIZES, GenerateConfig, generate, load_target
 from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
 
 
@@ -81,6 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
         token_survival=not args.no_token_survival,
         neighbour_tokens=not args.no_neighbour_tokens,
         neighbour_prior=not args.no_neighbour_prior,
+        order_model=args.order_model,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
@@ -458,6 +459,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-neighbour-tokens",
         action="store_true",
         help="spot, spot-sets: draft the plain stale guesses (ignore the bigram.safetensors neighbour fit)",
+    )
+    gen.add_argument(
+        "--order-model",
+        choices=ORDER_MODEL_SIZES,
+        default="auto",
+        help="spot: the paper-sized order model, the drafter folder's small one, or auto (small on a CPU, if any)",
     )
     gen.add_argument(
         "--no-neighbour-prior",

@@ -168,8 +168,12 @@ def method_options(method: str) -> tuple[str, dict]:
     ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False); ``spot-nb0`` drafts the
     plain stale tokens (neighbour_tokens=False); ``spot-np0`` keeps the stale confidence in the prior
     (neighbour_prior=False).
-    They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN, -npN: ``spot-p3-alt2-r2-m50-ts0-nb0-np0``."""
+    ``spot-small`` / ``spot-paper`` pick the order model's size (order_model; default auto: see api).
+    They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN, -npN, -small: ``spot-p3-alt2-r2-m50-ts0-nb0-np0``."""
     base, options = method, {}
+    for size in ("small", "paper"):
+        if base.endswith(f"-{size}"):
+            base, options["order_model"] = base[: -len(size) - 1], size
     suffixes = (
         ("-np", "neighbour_prior"),
         ("-nb", "neighbour_tokens"),
