@@ -42,7 +42,10 @@ if [ "$VERIFY_COST" = 1 ]; then
 fi
 
 # Calibrate: 2 prompts of the full grid, then as many prompts (<= 50) as fit in the time left.
-BENCH=(python3 -m spot_dlm bench --device $DEVICE --methods standard,spot --budgets "$BUDGETS" --temperatures 0,1
+# spot on a GPU is the paper-sized order model (auto); spot-small shows whether the CPU-sized one costs passes there
+# and spot-nb0 what the neighbour-token code costs on the host.
+METHODS=${METHODS:-standard,spot,spot-small,spot-nb0}
+BENCH=(python3 -m spot_dlm bench --device $DEVICE --methods "$METHODS" --budgets "$BUDGETS" --temperatures 0,1
        --task gsm8k)
 T0=$(date +%s)
 stage bench_calibration 120 "${BENCH[@]}" --n-prompts 2

@@ -12,6 +12,7 @@ from spot_dlm.api import GenerateConfig, generate, load_target
 from spot_dlm.train.data import heldout_items
 
 N_PROMPTS = 20
+_STANDARD: dict[float, list] = {}  # temperature -> standard decoding of the prompts
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +25,17 @@ def prompts() -> list[str]:
     return [item["question"] for item in heldout_items("gsm8k", N_PROMPTS)]
 
 
+@pytest.mark.parametrize("order_model", ["small", "paper"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_spot_equals_standard_on_builtin_target(builtin, prompts, temperature):
+def test_spot_equals_standard_on_builtin_target(builtin, prompts, temperature, order_model):
+    """Both shipped order models: the paper-sized one (GPU default) and the small one (CPU default)."""
     target, codec = builtin
     common = {"block_length": 32, "gen_length": 64, "temperature": temperature, "seed": 3}
-    standard = generate(prompts, GenerateConfig(method="standard", **common), target, codec)
-    spot = generate(prompts, GenerateConfig(method="spot", budget=8, depth=6, **common), target, codec)
+    if temperature not in _STANDARD:  # the reference is the same for both order models
+        _STANDARD[temperature] = generate(prompts, GenerateConfig(method="standard", **common), target, codec)
+    standard = _STANDARD[temperature]
+    config = GenerateConfig(method="spot", budget=8, depth=6, order_model=order_model, **common)
+    spot = generate(prompts, config, target, codec)
     assert [g.raw_token_ids for g in spot] == [g.raw_token_ids for g in standard]
     assert [g.commit_step for g in spot] == [g.commit_step for g in standard]
     spot_passes = sum(g.target_passes for g in spot)
