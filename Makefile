@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
