@@ -202,6 +202,16 @@ def test_cli_order_model_option(capsys: pytest.CaptureFixture, checkpoint_dir: P
     assert json.loads(out)["token_ids"] == json.loads(standard)["token_ids"]
 
 
+def test_cli_demo_runs_the_main_job(capsys: pytest.CaptureFixture) -> None:
+    """The README's main job on the shipped target and drafter: SPOT's tokens equal standard decoding's."""
+    code, out, err = run_cli(
+        capsys, "demo", "--methods", "standard,spot", "--gen-length", "32", "--budget", "2", "--no-plot"
+    )
+    assert code == 0, err
+    assert "all methods produced identical tokens: True" in out
+    assert "--- spot (block 32, T=0.0) ---" in out and "NOTE" not in out
+
+
 def test_cli_full_length_pass_count(capsys: pytest.CaptureFixture, checkpoint_dir: Path) -> None:
     code, out, err = run_cli(capsys, *generate_args(checkpoint_dir, "--prompt", PROMPT, "--json", "--full-length"))
     assert code == 0, err

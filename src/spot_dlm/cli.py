@@ -118,6 +118,7 @@ def _demo(args: argparse.Namespace) -> int:
         args.seed,
         None if args.no_plot else Path(args.plot),
         device=args.device,
+        budget=args.budget,
     )
     return 0
 
@@ -424,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="decode a question on the built-in target and picture the commit order")
     _add_decoding_options(demo)
     demo.add_argument("--methods", default="standard", help="comma-separated methods to run side by side")
+    demo.add_argument(
+        "--budget", type=int, default=16, help="draft nodes per pass (16: fewest passes; 2: fastest on a CPU)"
+    )
     demo.add_argument("--plot", default="spot_demo_commit_order.png")
     demo.add_argument("--no-plot", action="store_true")
     demo.set_defaults(func=_demo)

@@ -66,6 +66,7 @@ def run_demo(
     seed: int,
     plot_path: Path | None,
     device: str = "cpu",
+    budget: int = 16,
 ) -> None:
     folder = Path(model) if model not in (None, "builtin") else _builtin_folder()
     if not (folder / "model.safetensors").is_file() and model in (None, "builtin"):
@@ -90,7 +91,12 @@ def run_demo(
             methods.remove(method)
     for method in methods:
         config = GenerateConfig(
-            method=method, block_length=block_length, gen_length=gen_length, temperature=temperature, seed=seed
+            method=method,
+            block_length=block_length,
+            gen_length=gen_length,
+            temperature=temperature,
+            seed=seed,
+            budget=budget,
         )
         generations.append(generate([DEMO_QUESTION], config, target, codec)[0])
     print(f"\nQuestion: {DEMO_QUESTION}\n")
