@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from spot_dlm.api import METHOD_RULES, ORDER_MODEL_SIZES, GenerateConfig, generate, load_target
-from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
+from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR, OrderModelConfig
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -613,9 +613,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="continue from a trained drafter folder (or builtin); it may lack an input asked for here (zero weights)",
     )
-    tdr.add_argument("--d-model", type=int, default=128, help="order model width (the paper's: 128)")
-    tdr.add_argument("--n-layers", type=int, default=3, help="order model layers (the paper's: 3)")
-    tdr.add_argument("--n-heads", type=int, default=8, help="attention heads; must divide --d-model")
+    paper = OrderModelConfig()  # the paper's shape is the default
+    tdr.add_argument("--d-model", type=int, default=paper.d_model, help="order model width (the paper's: 128)")
+    tdr.add_argument("--n-layers", type=int, default=paper.n_layers, help="order model layers (the paper's: 3)")
+    tdr.add_argument("--n-heads", type=int, default=paper.n_heads, help="attention heads; must divide --d-model")
     tdr.set_defaults(func=_train_drafter)
     return parser
 

@@ -105,15 +105,17 @@ class StaleGuesses:
         the stale state (elsewhere: the stale state's token and confidence -inf)."""
         ctx = self.context
         step_index = self._key(step_index)
-        if step_index not in self._cache:
-            if not ctx.rule.needs_noise and ctx.proposal is not None:  # the loop's own free-commit proposal
-                self._cache[step_index] = ctx.proposal
-                return ctx.proposal
+        if step_index in self._cache:
+            return self._cache[step_index]
+        if not ctx.rule.needs_noise and ctx.proposal is not None:  # the loop's own free-commit proposal
+            proposal = ctx.proposal
+        else:
             stale_masked = ctx.parent == ctx.mask_id  # every node of the tree commits among these positions
             noise = ctx.gumbel(step_index, stale_masked)[None] if ctx.rule.needs_noise else None
             full = propose(ctx.parent[None], ctx.stale_logits[None], noise, ctx.rule, ctx.mask_id)  # [1, L]
-            self._cache[step_index] = Proposal(tokens=full.tokens[0], confidence=full.confidence[0])
-        return self._cache[step_index]
+            proposal = Proposal(tokens=full.tokens[0], confidence=full.confidence[0])
+        self._cache[step_index] = proposal
+        return proposal
 
     def table(self, step_index: int, count: int = CANDIDATES) -> GuessTable:
         """The step's guess table with at least min(count, V) guesses per position."""

@@ -180,7 +180,7 @@ def train_drafter(
     temperature_feature: bool = False,
     previous_feature: bool = False,
     init: Path | None = None,
-    shape: tuple[int, int, int] | None = None,
+    shape: tuple[int, int, int] = DEFAULT_SHAPE,
 ) -> dict:
     """Train the order model (or the sets model) on trajectory shards for ``minutes``; save it with held-out metrics.
 
@@ -188,7 +188,7 @@ def train_drafter(
     ``shape`` = (width, layers, heads) of the model (default: the paper's 128, 3, 8, about 0.6M parameters); a
     smaller one costs less per round where the drafter's compute counts against a small target (a CPU).
     """
-    d_model, n_layers, n_heads = shape if shape is not None else DEFAULT_SHAPE
+    d_model, n_layers, n_heads = shape
     config = OrderModelConfig(
         d_model=d_model,
         n_layers=n_layers,
