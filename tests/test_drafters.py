@@ -996,3 +996,103 @@ def test_train_drafter_sets_on_threshold_shards(threshold_shards, tmp_path: Path
     assert metrics["objective"] == "sets"
     check_metrics(metrics, "heldout_exact_set_accuracy_by_depth", out)
     assert "heldout_naive_stale_confidence_accuracy_by_depth" not in metrics
+
+
+# ----------------------------------------------------------------------------- neighbour-corrected confidence
+
+
+def neighbour_fit_folder(vocab: int, folder: Path, weight: float = 4.0) -> Path:
+    """A drafter folder holding a skewed made-up bigram fit (strong weights, so corrections show)."""
+    from spot_dlm.drafters.neighbours import BigramTable, save_bigram, save_neighbour_fit
+    from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival
+
+    stream = np.random.default_rng(7).integers(0, vocab, 4000) ** 2 % vocab
+    save_bigram(BigramTable.from_stream(stream, vocab), folder)
+    survival = TokenSurvival(greedy=(SurvivalBucket(0.5, 0.05),), sampled=(SurvivalBucket(2.0, 0.2),))
+    save_neighbour_fit((weight, weight), survival, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corrected_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[CollectConfig, list[Path]]:
+    base = tmp_path_factory.mktemp("traj")
+    folder = neighbour_fit_folder(collect_target.vocab_size, base / "fit")
+    return run_collect(collect_target, tiny_codec, base / "corrected", neighbours=str(folder))
+
+
+def test_collected_corrected_confidence_moves_only_where_a_neighbour_was_filled(corrected_shards) -> None:
+    """Example (i, d) reads the confidence corrected for the neighbours filled between s_i and s_{i+d}: equal to the
+    coupled confidence wherever neither neighbour of a still-masked position changed, a probability elsewhere, and
+    different somewhere (a wrong state or step would move it where no neighbour did)."""
+    _, shards = corrected_shards
+    data = load_shards(sorted(shards))
+    assert set(data) == {*SHARD_ARRAYS, "corrected"}
+    assert data["corrected"].shape == data["coupled"].shape
+    coupled, corrected = data["coupled"].astype(np.float32), data["corrected"].astype(np.float32)
+    block, masked = data["block_id"], data["masked"]
+    changed, checked = 0, 0
+    for i in range(len(block)):
+        for d in range(1, DEPTH + 1):
+            if i + d >= len(block) or block[i + d] != block[i]:
+                continue
+            filled = masked[i] & ~masked[i + d]  # committed by steps i .. i+d-1
+            left = np.concatenate([[False], filled[:-1]])
+            right = np.concatenate([filled[1:], [False]])
+            still = masked[i + d]
+            calm = still & ~left & ~right
+            assert np.array_equal(corrected[i, d - 1][calm], coupled[i, d - 1][calm])
+            moved = still & (left | right)
+            assert bool(((corrected[i, d - 1][moved] >= 0) & (corrected[i, d - 1][moved] <= 1)).all())
+            changed += int((np.abs(corrected[i, d - 1] - coupled[i, d - 1]) > 1e-3).sum())
+            checked += int(moved.sum())
+    assert checked > 0 and changed > 0
+
+
+def test_plain_collections_lack_the_corrected_confidence_and_mixed_folders_drop_it(
+    standard_shards, corrected_shards
+) -> None:
+    assert "corrected" not in load_shards(sorted(standard_shards[1]))
+    mixed = load_shards([standard_shards[1][0], corrected_shards[1][0]])
+    assert set(mixed) == set(SHARD_ARRAYS)
+
+
+def test_collect_refuses_a_neighbour_folder_without_a_fit(collect_target, tiny_codec, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        run_collect(collect_target, tiny_codec, tmp_path / "a", neighbours=str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no bigram fit"):
+        run_collect(collect_target, tiny_codec, tmp_path / "b", neighbours=str(tmp_path / "empty"))
+
+
+def test_train_drafter_with_the_corrected_feature(standard_shards, corrected_shards, tmp_path: Path) -> None:
+    """The corrected confidence is a new input column: training needs shards that hold it, a warm start from a model
+    without it keeps its function (zero weights), and the trained model drafts only beside a bigram fit."""
+    from spot_dlm.drafters.neighbours import load_neighbour_fit
+
+    config, _ = corrected_shards
+    with pytest.raises(ValueError, match="no corrected confidence"):
+        train_drafter(standard_shards[0].out_dir, tmp_path / "x", minutes=0.02, corrected_feature=True)
+    plain = tmp_path / "plain"
+    train_drafter(config.out_dir, plain, minutes=0.02, max_depth=DEPTH)
+    out = tmp_path / "corrected"
+    metrics = train_drafter(
+        config.out_dir, out, minutes=0.02, max_depth=DEPTH, corrected_feature=True, init=plain, lr=0.0
+    )
+    check_metrics(metrics, "heldout_next_commit_accuracy_by_depth", out)
+    model = load_order_model(out)
+    assert model.config.feature_names[-1] == "corrected_confidence"
+    assert model.config.n_features == load_order_model(plain).config.n_features + 1
+    before = json.loads((plain / "drafter_metrics.json").read_text())["heldout_next_commit_accuracy_by_depth"]
+    after = {str(depth): accuracy for depth, accuracy in metrics["heldout_next_commit_accuracy_by_depth"].items()}
+    assert after == before  # lr 0 from the plain model: the new column changes nothing yet
+    with pytest.raises(ValueError, match="bigram fit"):
+        SpotDrafter(model, budget=6, depth=3)
+    with pytest.raises(ValueError, match="none was given"):
+        model.config.extra_inputs(0.9, 0.0)
+    neighbours, _ = load_neighbour_fit(Path(str(config.neighbours)))
+    for temperature in (0.0, 1.0):
+        wide = torch.randn(L, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)  # V >= top-k
+        context = dataclasses.replace(make_context(temperature, seed=3), stale_logits=wide)
+        plain_tokens = dataclasses.replace(neighbours, weight_greedy=0.0, weight_sampled=0.0)  # stale guesses
+        check_one_commit_tree(SpotDrafter(model, budget=6, depth=3, neighbours=plain_tokens).propose(context), context)
+        assert len(SpotDrafter(model, budget=6, depth=3, neighbours=neighbours).propose(context)) == 6

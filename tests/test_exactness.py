@@ -214,6 +214,11 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
         return SpotDrafter(
             model, budget=case.budget, depth=case.depth, alternatives=alternatives, token_survival=SURVIVAL
         )
+    if name == "spot-nb-corrected":  # the order model reads the neighbour-corrected confidence as an input
+        torch.manual_seed(case.seed % 2)
+        config = OrderModelConfig(top_k=ORDER_TOP_K, d_model=32, n_layers=1, n_heads=2, corrected_feature=True)
+        model = OrderModel(config).eval()
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case))
     if name in ("spot-nb", "spot-nb-ts-alt2", "spot-nb-prior"):  # tokens re-ranked by fresh neighbours (made up)
         model = trained if trained is not None else random_order_model(case.seed % 2)
         extra = {"alternatives": 2, "token_survival": SURVIVAL} if name == "spot-nb-ts-alt2" else {}
@@ -434,7 +439,9 @@ def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, tra
 
 
 @pytest.mark.parametrize("scoring", SCORINGS)
-@pytest.mark.parametrize("drafter_name", ("spot-nb", "spot-nb-ts-alt2", "spot-nb-prior", "order-oracle-nb"))
+@pytest.mark.parametrize(
+    "drafter_name", ("spot-nb", "spot-nb-ts-alt2", "spot-nb-prior", "spot-nb-corrected", "order-oracle-nb")
+)
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_neighbour_tokens_equal_standard(temperature, drafter_name, scoring, trained):
     """Tokens re-ranked by the branch's fresh neighbours change only what is drafted, at every temperature."""

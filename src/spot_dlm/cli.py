@@ -278,6 +278,7 @@ def _collect(args: argparse.Namespace) -> int:
         seed=args.seed,
         worker=args.worker[0],
         workers=args.worker[1],
+        neighbours=None if args.neighbours is None else str(_drafter_folder(args.neighbours)),
     )
     shards = collect(target, codec, config)
     print(f"{len(shards)} shards in {args.out}")
@@ -368,6 +369,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         sets=args.sets,
         temperature_feature=args.temperature_feature,
         previous_feature=args.previous_feature,
+        corrected_feature=args.corrected_feature,
         init=_drafter_folder(args.init),
         shape=(args.d_model, args.n_layers, args.n_heads),
     )
@@ -560,6 +562,11 @@ def build_parser() -> argparse.ArgumentParser:
     col.add_argument(
         "--worker", type=_worker, default=(0, 1), metavar="I/N", help="write shard I of every N (parallel processes)"
     )
+    col.add_argument(
+        "--neighbours",
+        default=None,
+        help="drafter folder (or builtin) whose bigram fit corrects the logged confidence (for --corrected-feature)",
+    )
     col.set_defaults(func=_collect)
 
     ts = sub.add_parser(
@@ -607,6 +614,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--previous-feature",
         action="store_true",
         help="give the model each position's top-1 probability one commit earlier (the confidence trend)",
+    )
+    tdr.add_argument(
+        "--corrected-feature",
+        action="store_true",
+        help="give the model the neighbour-corrected confidence (shards collected with --neighbours)",
     )
     tdr.add_argument(
         "--init",

@@ -40,6 +40,7 @@ class OrderModelConfig:
     threshold_feature: bool = False  # SPOT-Sets: the rule's tau is an input, so one model serves every tau
     temperature_feature: bool = False  # the sampling temperature is an input, so one model serves every T
     previous_feature: bool = False  # each position's top-1 stale probability one commit earlier (its trend)
+    corrected_feature: bool = False  # the coupled confidence corrected for neighbours filled since the stale pass
 
     def __post_init__(self) -> None:
         for name in ("top_k", "d_model", "n_layers", "n_heads", "max_block_length", "mlp_ratio"):
@@ -56,23 +57,30 @@ class OrderModelConfig:
         names += [
             name for on, name in ((self.threshold_feature, "tau"), (self.temperature_feature, "temperature")) if on
         ]
-        return tuple(names + (["previous_top1", "has_previous"] if self.previous_feature else []))
+        names += ["previous_top1", "has_previous"] if self.previous_feature else []
+        return tuple(names + (["corrected_confidence"] if self.corrected_feature else []))
 
     @property
     def n_features(self) -> int:
         return len(self.feature_names)
 
-    def extra_inputs(self, tau, temperature, previous_top1=None, has_previous=None) -> list:
+    def extra_inputs(self, tau, temperature, previous_top1=None, has_previous=None, corrected=None) -> list:
         """The inputs beyond the base features that this model reads, in feature order.
 
         tau, temperature: scalars or per-example [...]; previous_top1: per-position [..., L] (the top-1 stale
-        probability of the state one commit earlier); has_previous: scalar or [...] (0 at a block's first state).
+        probability of the state one commit earlier); has_previous: scalar or [...] (0 at a block's first state);
+        corrected: per-position [..., L], the coupled confidence where no neighbour moved and the neighbour-corrected
+        guess's confidence where one did (``StaleGuesses.node_confidence``), 0 where not allowed.
         """
         extras = [
             value for on, value in ((self.threshold_feature, tau), (self.temperature_feature, temperature)) if on
         ]
         if self.previous_feature:
             extras += [previous_top1, has_previous]
+        if self.corrected_feature:
+            if corrected is None:
+                raise ValueError("this order model reads the neighbour-corrected confidence; none was given")
+            extras.append(corrected)
         return extras
 
 
@@ -257,16 +265,21 @@ class StaleView:
             config=config,
         )
 
-    def features(self, states: torch.Tensor, coupled_conf: torch.Tensor) -> torch.Tensor:
-        """Model input for B nodes. states int64 [B, L] (their masks), coupled_conf [B, L] -> float32 [B, L, F]"""
+    def features(
+        self, states: torch.Tensor, coupled_conf: torch.Tensor, corrected: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Model input for B nodes. states int64 [B, L] (their masks), coupled_conf [B, L], corrected [B, L] (the
+        neighbour-corrected confidence; only read by models with ``corrected_feature``) -> float32 [B, L, F]"""
         n_nodes = states.shape[0]
         previous = None if self.previous_top1 is None else self.previous_top1.expand(n_nodes, -1)
+        if corrected is not None:
+            corrected = corrected.clamp_min(0) * (states == self.mask_id)  # 0 where nothing is left to commit
         return order_features(
             self.top_probs.expand(n_nodes, -1, -1),
             self.stale_masked.expand_as(states),
             self.stale_masked & (states != self.mask_id),
             coupled_conf,
-            self.config.extra_inputs(self.tau, self.temperature, previous, self.has_previous),
+            self.config.extra_inputs(self.tau, self.temperature, previous, self.has_previous, corrected),
         )
 
 
@@ -343,10 +356,18 @@ class SpotDrafter:
     neighbour_prior: bool = True  # the confidence prior reads the corrected confidence where neighbours moved
     name: str = "spot"
 
+    def __post_init__(self) -> None:
+        if self.model.config.corrected_feature and self.neighbours is None:
+            raise ValueError(
+                "this order model reads the neighbour-corrected confidence: it needs the drafter folder's bigram fit "
+                "(neighbour tokens on)"
+            )
+
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context, self.neighbours)
         view = StaleView.of(context, self.model.config)
+        reads_corrected = self.model.config.corrected_feature
         stale_masked = view.stale_masked  # [L]
         memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)
 
@@ -354,9 +375,10 @@ class SpotDrafter:
             """Stale confidence of each position's coupled token under each node's step noise. -> float64 [B, L]"""
             return torch.stack([guesses.at(s).confidence for s in steps])  # -inf where stale-committed
 
-        def model_logits(states: torch.Tensor, coupled: torch.Tensor) -> torch.Tensor:
-            """states int64 [B, L], coupled [B, L] (coupled_confidence of their steps) -> logits [B, L]"""
-            features = view.features(states, coupled.clamp_min(0))  # [B, L, F]
+        def model_logits(states: torch.Tensor, coupled: torch.Tensor, corrected: torch.Tensor | None) -> torch.Tensor:
+            """states int64 [B, L], coupled [B, L] (coupled_confidence of their steps), corrected [B, L] or None
+            -> logits [B, L]"""
+            features = view.features(states, coupled.clamp_min(0), corrected)  # [B, L, F]
             return self.model(features.to(self.model.device)).to(states.device)  # [B, L]
 
         def inherited(state: torch.Tensor) -> torch.Tensor | None:
@@ -377,18 +399,21 @@ class SpotDrafter:
                 if level % self.refresh_every:
                     rows = [inherited(state) for state in states]
             coupled = coupled_confidence(steps)  # [B, L]
+            corrected = None  # [B, L]: the neighbour-corrected confidence, when the model or the prior reads it
+            if self.neighbours is not None and (reads_corrected or (self.confidence_prior and self.neighbour_prior)):
+                corrected = guesses.node_confidence(coupled, steps, states.cpu().numpy()).to(states.device)
             missing = [i for i, row in enumerate(rows) if row is None]
             if missing:
-                fresh = model_logits(states[missing], coupled[missing])
+                read = None if corrected is None else corrected[missing]
+                fresh = model_logits(states[missing], coupled[missing], read)
                 for i, logits in zip(missing, fresh):
                     rows[i] = logits
                     if self.refresh_every > 1:  # only levels that skip the model read the memo
                         memo[states[i].cpu().numpy().tobytes()] = logits
             logits = torch.stack(rows).to(torch.float64)  # [B, L]
             if self.confidence_prior:
-                if self.neighbour_prior and self.neighbours is not None:
-                    coupled = guesses.node_confidence(coupled, steps, states.cpu().numpy()).to(logits.device)
-                logits = logits + self.confidence_prior * coupled.clamp_min(1e-12).log()
+                prior = corrected if self.neighbour_prior and corrected is not None else coupled
+                logits = logits + self.confidence_prior * prior.to(logits.device).clamp_min(1e-12).log()
             return masked_log_normalise(logits, states == context.mask_id)
 
         return grow_tree(

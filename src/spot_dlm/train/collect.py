@@ -20,10 +20,12 @@ from tqdm import tqdm
 from spot_dlm.api import GenerateConfig, encode_prompt
 from spot_dlm.decode import DraftContext, NoDrafter, StepRecord, decode_ids
 from spot_dlm.drafters.base import StaleGuesses
+from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.order_model import stale_top_probs
 from spot_dlm.noise import BlockNoise, NoiseKey
 
 SHARD_ARRAYS = ("top", "masked", "committed", "coupled", "block_id", "step", "prompt_id", "tau", "temperature")
+OPTIONAL_SHARD_ARRAYS = ("corrected",)  # collected with neighbour tokens (read when every shard has them)
 
 
 @dataclass
@@ -40,9 +42,12 @@ class TrajectoryLog:
     block_id: list[int] = field(default_factory=list)
     step: list[int] = field(default_factory=list)
     prompt_id: list[int] = field(default_factory=list)
+    neighbours: NeighbourTokens | None = None  # with it, the corrected confidence is logged too
+    corrected: list[np.ndarray] = field(default_factory=list)  # float16 [depth, L]: as coupled, neighbour-corrected
 
     def observer(self, key: NoiseKey, settings, mask_id: int, prompt_id: int, block_offset: int):
         memo: dict[int, BlockNoise] = {}  # block index -> its noise tables (one block at a time)
+        pending: list[tuple] = []  # (block, step, guesses, coupled, corrected) of rows awaiting later states
 
         def record(rec: StepRecord) -> None:
             if rec.block_index not in memo:
@@ -62,12 +67,22 @@ class TrajectoryLog:
                 mask_id,
                 block_noise,
             )
-            guesses = StaleGuesses(context)
-            coupled = [guesses.at(rec.step_index + d).confidence for d in range(1, self.depth + 1)]
+            guesses = StaleGuesses(context, self.neighbours)
+            coupled = torch.stack([guesses.at(rec.step_index + d).confidence for d in range(1, self.depth + 1)])
             self.top.append(stale_top_probs(rec.logits, mask_id).cpu().numpy().astype(np.float16))
             self.masked.append((rec.state == mask_id).cpu().numpy())
             self.committed.append(((rec.state == mask_id) & (rec.next_state != mask_id)).cpu().numpy())
-            self.coupled.append(torch.stack(coupled).clamp_min(0).float().cpu().numpy().astype(np.float16))
+            self.coupled.append(coupled.clamp_min(0).float().cpu().numpy().astype(np.float16))
+            if self.neighbours is not None:
+                here = (rec.block_index, rec.step_index)
+                pending[:] = [row for row in pending if row[0] == here[0] and 0 < here[1] - row[1] <= self.depth]
+                state = rec.state.cpu().numpy()[None]  # [1, L]: s_j, the state step j commits from
+                for _, stale_step, stale_guesses, stale_coupled, corrected in pending:
+                    d = rec.step_index - stale_step  # row i = j - d predicts this commit at depth d
+                    node = stale_guesses.node_confidence(stale_coupled[d - 1][None], [rec.step_index], state)
+                    corrected[d - 1] = node[0].clamp_min(0).float().numpy()
+                self.corrected.append(self.coupled[-1].copy())  # filled in as the later states arrive
+                pending.append((*here, guesses, coupled, self.corrected[-1]))
             self.block_id.append(block_offset + rec.block_index)
             self.step.append(rec.step_index)
             self.prompt_id.append(prompt_id)
@@ -85,7 +100,7 @@ class TrajectoryLog:
             "prompt_id": np.asarray(self.prompt_id, dtype=np.int64),
             "tau": np.full(len(self.step), self.tau, dtype=np.float32),
             "temperature": np.full(len(self.step), self.temperature, dtype=np.float32),
-        }
+        } | ({"corrected": np.stack(self.corrected)} if self.neighbours is not None else {})
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,7 @@ class CollectConfig:
     seed: int = 1
     worker: int = 0  # this process writes the shards whose job index % workers == worker
     workers: int = 1
+    neighbours: str | None = None  # drafter folder whose bigram fit corrects the logged confidence (None: not logged)
 
     def __post_init__(self):
         if self.workers < 1 or not 0 <= self.worker < self.workers:
@@ -156,6 +172,7 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
         check_same_collection(before, recorded)
         recorded["n_prompts"] = max(before["n_prompts"], recorded["n_prompts"])  # until the shards are counted
     record_path.write_text(json.dumps(recorded))
+    neighbours = neighbour_fit(config.neighbours, target.vocab_size)
     prompts = collection_prompts(config.n_prompts, config.seed)
     shards = []
     taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
@@ -176,7 +193,7 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
             tau=tau,
         )
         settings = gen_config.settings()
-        log = TrajectoryLog(depth=config.depth, tau=tau, temperature=temperature)
+        log = TrajectoryLog(depth=config.depth, tau=tau, temperature=temperature, neighbours=neighbours)
         block_offset = 0
         for prompt_id in range(start, min(start + config.prompts_per_shard, len(prompts))):
             key = NoiseKey(config.seed, prompt_id)
@@ -198,6 +215,21 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     recorded["n_prompts"] = covered_prompts(config.out_dir, config.temperatures, taus, config.prompts_per_shard)
     record_path.write_text(json.dumps(recorded))  # what the shards hold, not what was asked for
     return shards
+
+
+def neighbour_fit(folder: str | None, vocab_size: int) -> NeighbourTokens | None:
+    """The bigram fit of a drafter folder (None for None); a folder without one, or of another vocabulary, is an
+    error: a collection asked to log corrected confidence must not silently log none."""
+    if folder is None:
+        return None
+    from spot_dlm.drafters.neighbours import load_neighbour_fit
+
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"drafter folder not found: {folder}")
+    fit = load_neighbour_fit(Path(folder), vocab_size)
+    if fit is None:
+        raise ValueError(f"{folder} has no bigram fit (spot-dlm fit-bigram and fit-token-survival make one)")
+    return fit[0]
 
 
 def shard_path(out_dir: Path, temperature: float, tau: float, start: int) -> Path:
@@ -242,10 +274,11 @@ def load_shards(paths: list[Path]) -> dict[str, np.ndarray]:
             missing = [name for name in SHARD_ARRAYS if name not in data]
             if missing:
                 raise ValueError(f"trajectory shard {path} lacks arrays {missing}")
-            loaded.append({name: data[name] for name in SHARD_ARRAYS})
-    merged = {name: [] for name in SHARD_ARRAYS}
+            loaded.append({name: data[name] for name in SHARD_ARRAYS + OPTIONAL_SHARD_ARRAYS if name in data})
+    names = [name for name in SHARD_ARRAYS + OPTIONAL_SHARD_ARRAYS if all(name in shard for shard in loaded)]
+    merged = {name: [] for name in names}
     for index, shard in enumerate(loaded):
-        for name in SHARD_ARRAYS:
+        for name in names:
             value = shard[name]
             merged[name].append(value + index * 10_000_000 if name == "block_id" else value)  # unique per shard
     return {name: np.concatenate(values) for name, values in merged.items()}

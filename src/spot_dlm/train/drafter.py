@@ -68,6 +68,10 @@ def batch_tensors(
     branch = (cum_committed[i + d] - cum_committed[i]) > 0  # committed by steps i .. i+d-1
     masked = data["masked"][i]
     coupled = data["coupled"][i, d - 1]  # [B, L]
+    allowed = masked & ~branch
+    corrected = None
+    if "corrected" in data:  # neighbour-corrected confidence, 0 where nothing is left to commit (as in decoding)
+        corrected = torch.from_numpy(np.where(allowed, data["corrected"][i, d - 1], 0).astype(np.float32))
     before = np.maximum(i - 1, 0)  # row of the state one commit earlier, when it is in the same block
     has_previous = (data["step"][i] > 0) & (data["block_id"][before] == data["block_id"][i])
     previous = np.where(has_previous[:, None], data["top"][before, :, 0], 0).astype(np.float32)  # [B, L]
@@ -81,9 +85,10 @@ def batch_tensors(
             torch.from_numpy(data["temperature"][i]),
             torch.from_numpy(previous),
             torch.from_numpy(has_previous),
+            corrected,
         ),
     )
-    allowed = torch.from_numpy(masked & ~branch)
+    allowed = torch.from_numpy(allowed)
     target = torch.from_numpy(data["committed"][i + d])  # bool [B, L]: the set committed by step i + d
     return features, allowed, target
 
@@ -164,7 +169,8 @@ def warm_start(folder: Path, config: OrderModelConfig) -> OrderModel:
 
 
 def _feature_flags(config: OrderModelConfig) -> dict[str, bool]:
-    return {name: getattr(config, name) for name in ("threshold_feature", "temperature_feature", "previous_feature")}
+    names = ("threshold_feature", "temperature_feature", "previous_feature", "corrected_feature")
+    return {name: getattr(config, name) for name in names}
 
 
 def train_drafter(
@@ -179,6 +185,7 @@ def train_drafter(
     sets: bool = False,
     temperature_feature: bool = False,
     previous_feature: bool = False,
+    corrected_feature: bool = False,
     init: Path | None = None,
     shape: tuple[int, int, int] = DEFAULT_SHAPE,
 ) -> dict:
@@ -196,10 +203,13 @@ def train_drafter(
         threshold_feature=sets,
         temperature_feature=temperature_feature,
         previous_feature=previous_feature,
+        corrected_feature=corrected_feature,
     )
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     data = load_shards(sorted(Path(shard_dir).glob("shard_*.npz")))
+    if corrected_feature and "corrected" not in data:
+        raise ValueError(f"{shard_dir} holds no corrected confidence: collect it with --neighbours")
     prompts = np.unique(data["prompt_id"])
     heldout_prompts = set(np.random.default_rng(seed).choice(prompts, size=max(1, len(prompts) // 10), replace=False))
     is_heldout = np.isin(data["prompt_id"], list(heldout_prompts))
