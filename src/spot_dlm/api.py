@@ -21,6 +21,7 @@ from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
 from spot_dlm.models.base import Target
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
+from spot_dlm.tree import DEFAULT_DEPTH
 
 
 def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
@@ -193,7 +194,7 @@ class GenerateConfig:
     min_commits: int = 1  # dynamic rule: commit at least this many per pass
     stop_at_eos: bool = True
     budget: int = 16  # speculative methods: draft-tree nodes scored per pass (root included)
-    depth: int = 8  # speculative methods: maximum draft depth
+    depth: int = DEFAULT_DEPTH  # speculative methods: maximum draft depth
     alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
     drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR  # spot: weight of log(stale coupled confidence) in the order

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from spot_dlm.api import METHOD_RULES, ORDER_MODEL_SIZES, GenerateConfig, generate, load_target
 from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR, OrderModelConfig
+from spot_dlm.tree import DEFAULT_DEPTH
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -442,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--drafter", default=None, help="drafter folder for speculative methods (default: shipped)")
     gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold (threshold, dynamic, spot-sets)")
     gen.add_argument("--budget", type=int, default=16, help="draft nodes scored per pass (speculative methods)")
-    gen.add_argument("--depth", type=int, default=8, help="maximum draft depth (speculative methods)")
+    gen.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="maximum draft depth (speculative methods)")
     gen.add_argument("--alternatives", type=int, default=1, help="tokens tried per drafted position (spot, stale)")
     gen.add_argument(
         "--confidence-prior",
@@ -520,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--n-prompts", type=int, default=50)
     bench.add_argument("--block-length", type=int, default=32)
     bench.add_argument("--gen-length", type=int, default=256)
-    bench.add_argument("--depth", type=int, default=8)
+    bench.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="maximum draft depth")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     bench.add_argument("--json", default=None, help="write the full report here")

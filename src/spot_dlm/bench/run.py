@@ -32,6 +32,7 @@ from spot_dlm.api import (
 )
 from spot_dlm.decode import Drafter, RawGeneration
 from spot_dlm.drafters.simple import OracleDrafter
+from spot_dlm.tree import DEFAULT_DEPTH
 
 TASKS = ("gsm8k", "gsm_symbolic", "humaneval")
 SPECULATIVE = ("spot", "stale", "chain", "calibrated", "oracle", "order-oracle")
@@ -52,7 +53,7 @@ class BenchConfig:
     n_prompts: int = 50
     block_length: int = 32
     gen_length: int = 256
-    depth: int = 8
+    depth: int = DEFAULT_DEPTH
     seed: int = 0
     taus: tuple[float, ...] = (0.9,)
     model: str | None = None

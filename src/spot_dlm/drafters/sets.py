@@ -20,7 +20,7 @@ from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.base import ChildProposer, Children, StaleGuesses, grow_tree
 from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.order_model import FrozenOrderModel, OrderModel, StaleView
-from spot_dlm.tree import DraftTree
+from spot_dlm.tree import DEFAULT_DEPTH, DraftTree
 
 DEFAULT_CUTOFFS = (0.9, 0.7, 0.5, 0.3, 0.15)
 
@@ -128,7 +128,7 @@ class StaleSetsDrafter:
     """Training-free: the join probability of a position is its stale coupled confidence (cut-offs at tau...)."""
 
     budget: int = 16
-    depth: int = 8
+    depth: int = DEFAULT_DEPTH
     cutoffs: tuple[float, ...] = DEFAULT_CUTOFFS
     name: str = "stale-sets"
 
@@ -149,7 +149,7 @@ class SetsDrafter:
 
     model: OrderModel | FrozenOrderModel
     budget: int = 16
-    depth: int = 8
+    depth: int = DEFAULT_DEPTH
     cutoffs: tuple[float, ...] = DEFAULT_CUTOFFS
     neighbours: NeighbourTokens | None = None  # re-ranks members' tokens by the parent's fresh neighbours
     name: str = "spot-sets"

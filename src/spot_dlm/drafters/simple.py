@@ -12,7 +12,7 @@ import torch
 from spot_dlm.decode import DraftContext, RawGeneration
 from spot_dlm.drafters.base import StaleGuesses, grow_tree, masked_log_normalise
 from spot_dlm.drafters.neighbours import NeighbourTokens
-from spot_dlm.tree import DraftTree, TreeBuilder
+from spot_dlm.tree import DEFAULT_DEPTH, DraftTree, TreeBuilder
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class StaleConfidenceDrafter:
     """Orders masked positions by the stale confidence of their coupled token (training-free)."""
 
     budget: int = 16
-    depth: int = 8
+    depth: int = DEFAULT_DEPTH
     alternatives: int = 1
     name: str = "stale-confidence"
 
@@ -46,7 +46,7 @@ class RandomDrafter:
     """Random positions and, with probability ``token_noise``, random tokens: a drafter that is mostly wrong."""
 
     budget: int = 16
-    depth: int = 8
+    depth: int = DEFAULT_DEPTH
     token_noise: float = 0.3
     salt: int = 0
     name: str = "random"
@@ -93,7 +93,7 @@ class OracleDrafter:
     references: dict[int, RawGeneration]  # request index -> reference decoding of that request
     block_length: int
     budget: int = 16
-    depth: int = 8
+    depth: int = DEFAULT_DEPTH
     stale_tokens: bool = False
     name: str = "oracle"
     neighbours: NeighbourTokens | None = None
@@ -169,7 +169,7 @@ class ChainDrafter:
     """FreeDave-style chain: candidate k commits the k + 1 most confident stale positions (one path)."""
 
     budget: int = 16
-    depth: int = 8
+    depth: int = DEFAULT_DEPTH
     name: str = "chain"
 
     def propose(self, context: DraftContext) -> DraftTree:
