@@ -22,6 +22,7 @@ from spot_dlm.bench.run import (
     extract_answer,
     format_table,
     is_correct,
+    longest_repeat,
     reproduce_command,
     run_bench,
     task_items,
@@ -198,7 +199,13 @@ def test_report_layout(report: dict, bench_config: BenchConfig) -> None:
         assert row["generated_tokens"] >= 0 and row["target_passes"] > 0
         assert row["wall_seconds"] > 0 and row["tokens_per_second"] >= 0
         assert row["accuracy"] is None or 0.0 <= row["accuracy"] <= 1.0
+        assert len(row["passes_per_prompt"]) == len(row["longest_repeat_per_prompt"]) == row["n_prompts"]
+        assert sum(row["passes_per_prompt"]) == row["target_passes"]
     json.dumps(report)  # the report is plain JSON
+
+
+def test_longest_repeat() -> None:
+    assert [longest_repeat(ids) for ids in ([], [5], [1, 2, 3], [7, 7, 1, 7, 7, 7], [0] * 9 + [1])] == [0, 1, 1, 3, 9]
 
 
 def test_speculative_rows_are_exact_against_their_baseline(report: dict) -> None:

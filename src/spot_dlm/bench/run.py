@@ -118,6 +118,16 @@ def as_raw(gen: Generation) -> RawGeneration:
     )
 
 
+def longest_repeat(token_ids: list[int]) -> int:
+    """The longest run of one token repeated back to back (0 for no tokens): long runs (a small target's digit
+    collapses) are where drafts are accepted whole, so reports split passes by it."""
+    longest, run = min(len(token_ids), 1), 1
+    for before, after in zip(token_ids, token_ids[1:]):
+        run = run + 1 if after == before else 1
+        longest = max(longest, run)
+    return longest
+
+
 def summarise(gens: list[Generation], items: list[dict], reference: list[Generation] | None) -> dict:
     passes = sum(g.stats["target_passes"] for g in gens)
     tokens = sum(len(g.token_ids) for g in gens)
@@ -140,6 +150,8 @@ def summarise(gens: list[Generation], items: list[dict], reference: list[Generat
         "tokens_per_pass": sum(g.stats["committed_tokens"] for g in gens) / passes,
         "mean_accepted": sum(int(k) * v for k, v in hist.items()) / verify if verify else 0.0,
         "accepted_lengths": hist,
+        "passes_per_prompt": [g.stats["target_passes"] for g in gens],
+        "longest_repeat_per_prompt": [longest_repeat(g.token_ids) for g in gens],
         "accuracy": sum(scored) / len(scored) if scored else None,
         "exact_match_vs_standard": (
             None
