@@ -1062,6 +1062,7 @@ def test_collect_refuses_a_neighbour_folder_without_a_fit(collect_target, tiny_c
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no bigram fit"):
         run_collect(collect_target, tiny_codec, tmp_path / "b", neighbours=str(tmp_path / "empty"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before the folder is made
 
 
 def test_train_drafter_with_the_corrected_feature(standard_shards, corrected_shards, tmp_path: Path) -> None:

@@ -165,6 +165,7 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
 
     With `workers` > 1, several processes share one folder: each writes every `workers`-th shard and returns its own.
     """
+    neighbours = neighbour_fit(config.neighbours, target.vocab_size)  # refused before the folder is touched
     config.out_dir.mkdir(parents=True, exist_ok=True)
     recorded, record_path = recorded_settings(config), config.out_dir / "collect_config.json"
     if record_path.is_file():
@@ -172,7 +173,6 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
         check_same_collection(before, recorded)
         recorded["n_prompts"] = max(before["n_prompts"], recorded["n_prompts"])  # until the shards are counted
     record_path.write_text(json.dumps(recorded))
-    neighbours = neighbour_fit(config.neighbours, target.vocab_size)
     prompts = collection_prompts(config.n_prompts, config.seed)
     shards = []
     taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
