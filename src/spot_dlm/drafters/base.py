@@ -34,6 +34,13 @@ from spot_dlm.tree import DraftTree, TreeBuilder
 TOP_K_FEATURES = 32
 
 
+def step_groups(steps: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Indices grouped by rule step, for work done once per step (each step has its own guess table).
+    steps int64 [C] -> (step, indices int64 [c]) per distinct step, in increasing step order"""
+    for step in np.unique(steps).tolist():
+        yield step, np.flatnonzero(steps == step)
+
+
 @dataclass(frozen=True)
 class GuessTable:
     """The best stale coupled guesses of one rule step at every position masked in the stale state, on the host.
@@ -179,8 +186,7 @@ class StaleGuesses:
         moved = fresh[0] | fresh[2]
         node, position, fresh = node[moved], position[moved], [flags[moved] for flags in fresh]
         node_step = np.asarray(steps)[node]
-        for step in np.unique(node_step).tolist():
-            same = node_step == step
+        for step, same in step_groups(node_step):
             table = self.table(step)
             index = table.rows(position[same])
             candidates = table.tokens[index, :CANDIDATES]  # [c, R]
@@ -319,8 +325,7 @@ def one_commit_children(
         parents = states.cpu().numpy()[node]  # [C, L]
         tokens = np.empty((len(node), alternatives), dtype=np.int64)
         token_logprob = np.zeros((len(node), alternatives))
-        for step in np.unique(child_step).tolist():
-            same = np.flatnonzero(child_step == step)
+        for step, same in step_groups(child_step):
             ranks = max(alternatives, SURVIVAL_RANKS)
             ranked, ranked_scores = guesses.child_guesses(step, parents[same], positions[same], ranks)  # [R, c]
             tokens[same] = ranked[:alternatives].T
@@ -333,8 +338,7 @@ def one_commit_children(
     def per_step(child_step: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """log-probabilities float64 [C, A] of the step's stale guesses of each rank."""
         token_logprob = np.empty((len(positions), alternatives))
-        for step in np.unique(child_step).tolist():
-            same = child_step == step
+        for step, same in step_groups(child_step):
             token_logprob[same] = token_logprobs(step, positions[same])
         return token_logprob
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import ChildProposer, Children, StaleGuesses, grow_tree
+from spot_dlm.drafters.base import ChildProposer, Children, StaleGuesses, grow_tree, step_groups
 from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.order_model import FrozenOrderModel, OrderModel, StaleView
 from spot_dlm.tree import DEFAULT_DEPTH, DraftTree
@@ -117,8 +117,7 @@ def with_parent_tokens(sets: Children, states: np.ndarray, steps: list[int], gue
     parent = sets.node[sets.commit_child]  # [P]
     parent_step = np.asarray(steps)[parent]  # [P]
     tokens = np.empty(len(parent), dtype=np.int64)
-    for step in np.unique(parent_step).tolist():
-        same = np.flatnonzero(parent_step == step)
+    for step, same in step_groups(parent_step):
         tokens[same] = guesses.child_guesses(step, states[parent[same]], sets.commit_position[same], 1)[0][0]
     return dataclasses.replace(sets, commit_token=tokens)
 
