@@ -30,6 +30,7 @@ from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens
 from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
 from spot_dlm.drafters.sets import SetsDrafter, StaleSetsDrafter
 from spot_dlm.drafters.simple import OracleDrafter, RandomDrafter, StaleConfidenceDrafter, true_states
+from spot_dlm.drafters.token_lm import TokenLM
 from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
@@ -46,7 +47,7 @@ SURVIVAL = TokenSurvival(
     greedy=(SurvivalBucket(0.3, 0.05), SurvivalBucket(1.0, 0.2)),
     sampled=(SurvivalBucket(2.0, 0.3), SurvivalBucket(0.5, 0.0), SurvivalBucket(5.0, 0.6)),
 )
-SET_DRAFTERS = ("oracle", "random", "stale", "stale-sets", "spot-sets", "spot-sets-nb")  # threshold rules
+SET_DRAFTERS = ("oracle", "random", "stale", "stale-sets", "spot-sets", "spot-sets-nb", "spot-sets-lm")  # threshold
 THRESHOLD_RULES = {
     "threshold-0.3": {"kind": "threshold", "tau": 0.3},
     "threshold-0.6": {"kind": "threshold", "tau": 0.6},
@@ -180,6 +181,13 @@ def neighbour_tokens(case: Case) -> NeighbourTokens:
     return NeighbourTokens(markov_bigram(case.vocab, case.seed % 3), weight_greedy=2.0, weight_sampled=1.5)
 
 
+def token_lm(case: Case) -> TokenLM:
+    """Another random model of the case's vocabulary as the small LM (a short window, so the cut is exercised)."""
+    other = ("peaky", "sharp", "deep")[case.seed % 3]
+    model = BuiltinTarget(exact_model(case.vocab, other, (case.model_seed + 1) % 3), scoring="batched")
+    return TokenLM(model, weight_greedy=2.0, weight_sampled=1.5, window=5)
+
+
 def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained: OrderModel | None, salt: int = 0):
     if name in ("oracle", "order-oracle", "order-oracle-nb"):
         ref = reference(case, rule, scoring)
@@ -225,6 +233,12 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
         if name == "spot-nb-prior":  # the confidence prior reads the corrected confidence too
             extra = {"confidence_prior": 3.0, "neighbour_prior": True}
         return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
+    if name in ("spot-lm", "spot-lm-ts-alt2-prior"):  # tokens re-ranked by a small LM's change of belief
+        model = trained if trained is not None else random_order_model(case.seed % 2)
+        extra = {}
+        if name == "spot-lm-ts-alt2-prior":
+            extra = {"alternatives": 2, "token_survival": SURVIVAL, "confidence_prior": 3.0, "neighbour_prior": True}
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=token_lm(case), **extra)
     if name == "stale-alt3":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":
@@ -234,6 +248,9 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
     if name == "spot-sets-nb":  # members' tokens re-ranked by the parent's fresh neighbours (made-up bigram)
         model = random_order_model(case.seed % 2)
         return SetsDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case))
+    if name == "spot-sets-lm":  # members' tokens re-ranked by a small LM (another random model)
+        model = random_order_model(case.seed % 2)
+        return SetsDrafter(model, budget=case.budget, depth=case.depth, neighbours=token_lm(case))
     raise ValueError(name)
 
 
@@ -440,11 +457,21 @@ def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, tra
 
 @pytest.mark.parametrize("scoring", SCORINGS)
 @pytest.mark.parametrize(
-    "drafter_name", ("spot-nb", "spot-nb-ts-alt2", "spot-nb-prior", "spot-nb-corrected", "order-oracle-nb")
+    "drafter_name",
+    (
+        "spot-nb",
+        "spot-nb-ts-alt2",
+        "spot-nb-prior",
+        "spot-nb-corrected",
+        "order-oracle-nb",
+        "spot-lm",
+        "spot-lm-ts-alt2-prior",
+    ),
 )
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_neighbour_tokens_equal_standard(temperature, drafter_name, scoring, trained):
-    """Tokens re-ranked by the branch's fresh neighbours change only what is drafted, at every temperature."""
+    """Tokens re-ranked by the branch's fresh neighbours (bigram) or by a small LM's change of belief change only
+    what is drafted, at every temperature."""
     rule = CommitRule("one", temperature=temperature)
     t_index = TEMPERATURES.index(temperature)
     for seed in range(30 + 3 * t_index, 33 + 3 * t_index):

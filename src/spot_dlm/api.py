@@ -25,14 +25,24 @@ from spot_dlm.tree import DEFAULT_DEPTH
 
 
 def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
-    """The neighbour correction and its survival fit from a drafter folder, or None (turned off, or no fit there).
+    """The token correction and its survival fit from a drafter folder, or None (turned off, or no fit there): the
+    folder's small LM (``token_lm/``, see ``drafters/token_lm.py``) when ``token_lm`` and it has one, else its
+    bigram (``drafters/neighbours.py``).
 
     A folder given with ``drafter`` must fit the target (a table of another vocabulary is a ValueError); the shipped
     fit belongs to the built-in target, so for a target of another vocabulary it is left out with a warning."""
     from spot_dlm.drafters.neighbours import load_neighbour_fit
+    from spot_dlm.drafters.token_lm import TOKEN_LM_FIT_FILE, load_token_lm
 
     if not config.neighbour_tokens:
         return None
+    if config.token_lm and (folder / TOKEN_LM_FIT_FILE).is_file():
+        try:
+            return load_token_lm(folder, target, target_device(target))
+        except ValueError as err:
+            if config.drafter:
+                raise
+            warnings.warn(f"{err}: re-ranking drafted tokens by the bigram instead", stacklevel=3)
     fit = load_neighbour_fit(folder)
     if fit is None or fit[0].table.vocab_size == target.vocab_size:
         return fit
@@ -202,6 +212,7 @@ class GenerateConfig:
     token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
     neighbour_tokens: bool = True  # spot, spot-sets: re-rank drafted tokens by fresh neighbours (bigram fit), if any
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
+    token_lm: bool = True  # spot, spot-sets: re-rank by the drafter folder's small LM (token_lm/) over its bigram
     order_model: str = "auto"  # spot: paper (0.6M), small (the folder's small/), auto (small on a CPU if there is one)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)

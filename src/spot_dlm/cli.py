@@ -82,6 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
         token_survival=not args.no_token_survival,
         neighbour_tokens=not args.no_neighbour_tokens,
         neighbour_prior=not args.no_neighbour_prior,
+        token_lm=not args.no_token_lm,
         order_model=args.order_model,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
@@ -307,15 +308,10 @@ def _fit_bigram(args: argparse.Namespace) -> int:
 
 
 def _fit_token_survival(args: argparse.Namespace) -> int:
-    from spot_dlm.drafters.neighbours import load_bigram, save_neighbour_fit
+    from spot_dlm.drafters.neighbours import NeighbourTokens, load_bigram, save_neighbour_fit
     from spot_dlm.drafters.token_survival import save_token_survival
     from spot_dlm.train.collect import collection_prompts
-    from spot_dlm.train.token_survival import (
-        fit_neighbour_survival,
-        fit_neighbour_weight,
-        fit_token_survival,
-        observe,
-    )
+    from spot_dlm.train.token_survival import fit_token_survival, observe
 
     _set_threads(args.threads)
     out = _drafter_folder(args.out)
@@ -326,24 +322,55 @@ def _fit_token_survival(args: argparse.Namespace) -> int:
     if args.n_prompts < 1:
         raise ValueError(f"--n-prompts must be >= 1, got {args.n_prompts}")
     target, codec = _load_model(args)
-    bigram = load_bigram(out, target.vocab_size)
     prompts = collection_prompts(args.n_prompts, args.seed)
-    shape = {"block_length": args.block_length, "gen_length": args.gen_length, "bigram": bigram}
-    greedy = observe(target, codec, prompts, 0.0, args.seed, **shape)
-    sampled = observe(target, codec, prompts, args.temperature, args.seed, **shape)
+    shape = {"block_length": args.block_length, "gen_length": args.gen_length}
+    if args.token_lm is not None:
+        return _fit_token_lm(args, target, codec, prompts, shape, out)
+    bigram = load_bigram(out, target.vocab_size)
+    corrector = None if bigram is None else NeighbourTokens(bigram, 1.0, 1.0)  # weights fitted below
+    greedy = observe(target, codec, prompts, 0.0, args.seed, corrector=corrector, **shape)
+    sampled = observe(target, codec, prompts, args.temperature, args.seed, corrector=corrector, **shape)
     survival = fit_token_survival(greedy, sampled)
     print("guesses     kind     staleness  commits  top guess kept  scale  outside")
     _print_survival("stale", survival, greedy, sampled, lambda obs, d: obs.arrays(d)[1])
     print(f"wrote {save_token_survival(survival, out)}")
     if bigram is not None:
-        weights = fit_neighbour_weight(greedy), fit_neighbour_weight(sampled)
-        corrected = fit_neighbour_survival(greedy, sampled, weights)
-        weight_of = {greedy.temperature: weights[0], sampled.temperature: weights[1]}
-        _print_survival(
-            "neighbour", corrected, greedy, sampled, lambda o, d: o.neighbour_arrays(weight_of[o.temperature], d)[1]
-        )
-        print(f"neighbour weights: greedy {weights[0]:g}, sampled {weights[1]:g}")
+        weights, corrected = _fit_correction("neighbour", greedy, sampled)
         print(f"wrote {save_neighbour_fit(weights, corrected, out)}")
+    return 0
+
+
+def _fit_correction(name: str, greedy, sampled):
+    """The corrector's (greedy, sampled) weights and the survival of its corrected guesses, printed."""
+    from spot_dlm.train.token_survival import fit_neighbour_survival, fit_neighbour_weight
+
+    weights = fit_neighbour_weight(greedy), fit_neighbour_weight(sampled)
+    corrected = fit_neighbour_survival(greedy, sampled, weights)
+    weight_of = {greedy.temperature: weights[0], sampled.temperature: weights[1]}
+    _print_survival(name, corrected, greedy, sampled, lambda o, d: o.neighbour_arrays(weight_of[o.temperature], d)[1])
+    print(f"{name} weights: greedy {weights[0]:g}, sampled {weights[1]:g}")
+    return weights, corrected
+
+
+def _fit_token_lm(args: argparse.Namespace, target, codec, prompts, shape, out: Path) -> int:
+    """Install a small LM into the drafter folder and fit its correction (the other fits stay as they are)."""
+    from spot_dlm.drafters.token_lm import TokenLM, install_token_lm, save_token_lm_fit
+    from spot_dlm.models.builtin import load_builtin_target
+    from spot_dlm.train.token_survival import observe
+
+    source = Path(args.token_lm)
+    if not (source / "config.json").is_file():
+        raise ValueError(f"token LM checkpoint not found: {source} (a folder of the built-in architecture)")
+    small, _ = load_builtin_target(source, device=args.device)
+    if small.vocab_size != target.vocab_size or small.mask_id != target.mask_id:
+        raise ValueError(f"token LM {source} does not share the target's vocabulary and mask token")
+    lm = TokenLM(small, 1.0, 1.0, window=args.token_lm_window)  # weights fitted below
+    greedy = observe(target, codec, prompts, 0.0, args.seed, corrector=lm, **shape)
+    sampled = observe(target, codec, prompts, args.temperature, args.seed, corrector=lm, **shape)
+    print("guesses     kind     staleness  commits  top guess kept  scale  outside")
+    weights, corrected = _fit_correction("token LM", greedy, sampled)
+    print(f"installed {install_token_lm(source, out)}")
+    print(f"wrote {save_token_lm_fit(weights, corrected, args.token_lm_window, out)}")
     return 0
 
 
@@ -468,6 +495,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="spot, spot-sets: draft the plain stale guesses (ignore the bigram.safetensors neighbour fit)",
     )
     gen.add_argument(
+        "--no-token-lm",
+        action="store_true",
+        help="spot, spot-sets: re-rank drafted tokens by the bigram even where the drafter folder has a token LM",
+    )
+    gen.add_argument(
         "--order-model",
         choices=ORDER_MODEL_SIZES,
         default="auto",
@@ -581,6 +613,13 @@ def build_parser() -> argparse.ArgumentParser:
     ts.add_argument("--gen-length", type=int, default=256)
     ts.add_argument("--seed", type=int, default=1)
     ts.add_argument("--threads", type=int, default=1)
+    ts.add_argument(
+        "--token-lm",
+        default=None,
+        help="small block-diffusion LM folder (built-in architecture, the target's vocabulary): copy it into the "
+        "drafter folder's token_lm/ and fit its correction of drafted tokens (the other fits stay as they are)",
+    )
+    ts.add_argument("--token-lm-window", type=int, default=256, help="clean tokens before the block the LM reads")
     ts.set_defaults(func=_fit_token_survival)
 
     bg = sub.add_parser(

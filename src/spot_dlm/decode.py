@@ -45,6 +45,7 @@ class DraftContext:
     block_noise: BlockNoise | None = None  # the loop's memo of this block's noise tables (None: draw afresh)
     previous_logits: torch.Tensor | None = None  # [L, V]: Z of the state one commit before ``parent`` (None: none)
     proposal: Proposal | None = None  # the rule's proposal at ``parent`` for the free commit (None: not given)
+    prefix: torch.Tensor | None = None  # int64 [P]: the clean text before the block, prompt and finished blocks
 
     def gumbel(self, step_index: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Keyed noise of rule step ``step_index``, float64 [L, V] (shared: do not modify); with ``positions``
@@ -70,6 +71,7 @@ class StepRecord:
     state: torch.Tensor  # int64 [L]: the state the step was applied to
     logits: torch.Tensor  # [L, V]: the target's logits at that state
     next_state: torch.Tensor  # int64 [L]
+    prefix: torch.Tensor | None = None  # int64 [P]: the clean text before the block (prompt, finished blocks)
 
 
 Observer = Callable[[StepRecord], None]
@@ -199,8 +201,10 @@ def decode_block(
     stats: DecodeStats,
     first_pass: int,
     observer: Observer | None = None,
+    prefix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, object, _BlockTrace]:
-    """Decode one block from all-mask to complete; returns (block [L], cache, trace)."""
+    """Decode one block from all-mask to complete; returns (block [L], cache, trace). ``prefix`` (int64 [P]: the
+    prompt and the finished blocks) is handed to drafters that read the text before the block."""
     mask_id, length = target.mask_id, settings.block_length
     device = getattr(target, "device", torch.device("cpu"))
     state = torch.full((length,), mask_id, dtype=torch.int64, device=device)
@@ -221,7 +225,7 @@ def decode_block(
         stats.committed_tokens += trace.mark(state, next_state, mask_id, step_index, passes())
         stats.rule_steps += 1
         if observer is not None:
-            observer(StepRecord(block_index, step_index, state, logits, next_state))
+            observer(StepRecord(block_index, step_index, state, logits, next_state, prefix))
         parent, state, step_index = state, next_state, step_index + 1
         if not bool((state == mask_id).any()):
             return state, cache, trace
@@ -239,6 +243,7 @@ def decode_block(
             block_noise,
             previous_logits,
             proposal,
+            prefix,
         )
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick
@@ -251,7 +256,8 @@ def decode_block(
             stats.committed_tokens += trace.mark(tree.states[a], tree.states[b], mask_id, tree.steps[a], passes())
             stats.rule_steps += 1
             if observer is not None:
-                observer(StepRecord(block_index, tree.steps[a], tree.states[a], node_logits[a], tree.states[b]))
+                record = StepRecord(block_index, tree.steps[a], tree.states[a], node_logits[a], tree.states[b], prefix)
+                observer(record)
         node = path[-1]
         previous_logits = node_logits[path[-2]] if len(path) > 1 else logits
         state, logits, step_index, next_state = (
@@ -279,8 +285,9 @@ def decode_ids(
     blocks, steps, pass_nos = [], [], []
     finished = None
     for block_index in range(settings.gen_length // settings.block_length):
+        prefix = torch.cat([prompt_ids, *(block.to(prompt_ids.device) for block in blocks)])  # [P]
         finished, cache, trace = decode_block(
-            target, cache, finished, block_index, settings, key, drafter, stats, start_passes, observer
+            target, cache, finished, block_index, settings, key, drafter, stats, start_passes, observer, prefix
         )
         blocks.append(finished)
         steps.append(trace.step)

@@ -179,16 +179,18 @@ def method_options(method: str) -> tuple[str, dict]:
     every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
     (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent);
     ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False); ``spot-nb0`` drafts the
-    plain stale tokens (neighbour_tokens=False); ``spot-np0`` keeps the stale confidence in the prior
-    (neighbour_prior=False).
-    ``spot-small`` / ``spot-paper`` pick the order model's size (order_model; default auto: see api).
-    They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN, -npN, -small: ``spot-p3-alt2-r2-m50-ts0-nb0-np0``."""
+    plain stale tokens (neighbour_tokens=False); ``spot-lm0`` re-ranks them by the bigram even where the drafter
+    folder has a small token LM (token_lm=False); ``spot-np0`` keeps the stale confidence in the prior
+    (neighbour_prior=False). ``spot-small`` / ``spot-paper`` pick the order model's size (order_model; default auto:
+    see api). They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN, -lmN, -npN, -small:
+    ``spot-p3-alt2-r2-m50-ts0-nb0-np0``."""
     base, options = method, {}
     for size in ("small", "paper"):
         if base.endswith(f"-{size}"):
             base, options["order_model"] = base[: -len(size) - 1], size
     suffixes = (
         ("-np", "neighbour_prior"),
+        ("-lm", "token_lm"),
         ("-nb", "neighbour_tokens"),
         ("-ts", "token_survival"),
         ("-m", "min_path_prob"),
@@ -204,7 +206,7 @@ def method_options(method: str) -> tuple[str, dict]:
 
 
 def _option_value(key: str, value: int):
-    if key in ("token_survival", "neighbour_tokens", "neighbour_prior"):
+    if key in ("token_survival", "neighbour_tokens", "neighbour_prior", "token_lm"):
         return bool(value)
     return value / 100 if key == "min_path_prob" else value
 

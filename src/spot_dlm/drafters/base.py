@@ -19,14 +19,7 @@ import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.neighbours import (
-    CANDIDATES,
-    NeighbourTokens,
-    fresh_neighbours,
-    neighbour_correction,
-    rerank,
-    rule_first,
-)
+from spot_dlm.drafters.neighbours import CANDIDATES, StalePass, TokenCorrection, rerank, rule_first
 from spot_dlm.drafters.token_survival import SURVIVAL_RANKS, TokenSurvival
 from spot_dlm.rules import Proposal, propose
 from spot_dlm.tree import DraftTree, TreeBuilder
@@ -93,12 +86,13 @@ def guess_table(context: DraftContext, step_index: int, rank0: torch.Tensor, cou
 class StaleGuesses:
     """Stale coupled guesses per rule-step index, computed once per step index and reused across the tree.
 
-    With ``neighbours`` a drafted commit's token is re-ranked by the neighbours its branch filled since the stale
-    pass (``child_guesses``; see ``drafters/neighbours.py``), so it depends on the node and not on the step alone.
+    With ``neighbours`` a drafted commit's token is re-ranked by the tokens its branch filled since the stale pass
+    (``child_guesses``): by a bigram of the target's text (``drafters/neighbours.py``) or by a small block-diffusion
+    LM's change of belief (``drafters/token_lm.py``), so it depends on the node and not on the step alone.
     """
 
     context: DraftContext
-    neighbours: NeighbourTokens | None = None
+    neighbours: TokenCorrection | None = None
     _cache: dict[int, Proposal] = field(default_factory=dict)
     _ranked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _tables: dict[int, GuessTable] = field(default_factory=dict)
@@ -167,8 +161,7 @@ class StaleGuesses:
         candidates, scores = table.tokens[rows, :count], table.scores[rows, :count]  # [C, R]
         if self._weight() == 0:
             return candidates[:, :n].T, scores[:, :n].T
-        fresh = fresh_neighbours(parents, positions, self._stale_masked, self.context.mask_id)
-        correction = neighbour_correction(self.neighbours.table, candidates, *fresh)
+        correction = self.neighbours.correction(self._stale_pass, parents, positions, candidates)  # [C, R]
         return rerank(scores, candidates, correction, self._score_scale(), n)
 
     def node_confidence(self, stale: torch.Tensor, steps: list[int], states: np.ndarray) -> torch.Tensor:
@@ -182,16 +175,15 @@ class StaleGuesses:
         if self._weight() == 0:
             return confidence
         node, position = np.nonzero(states == ctx.mask_id)  # [M] each: the positions still to commit
-        fresh = fresh_neighbours(states[node], position, self._stale_masked, ctx.mask_id)
-        moved = fresh[0] | fresh[2]
-        node, position, fresh = node[moved], position[moved], [flags[moved] for flags in fresh]
+        moved = self.neighbours.moved(self._stale_pass, states[node], position)
+        node, position = node[moved], position[moved]
         node_step = np.asarray(steps)[node]
         for step, same in step_groups(node_step):
             table = self.table(step)
             index = table.rows(position[same])
             candidates = table.tokens[index, :CANDIDATES]  # [c, R]
             logp = table.logprob[index, :CANDIDATES]  # [c, R]
-            correction = neighbour_correction(self.neighbours.table, candidates, *[f[same] for f in fresh])
+            correction = self.neighbours.correction(self._stale_pass, states[node[same]], position[same], candidates)
             best = np.argmax(table.scores[index, :CANDIDATES] + self._score_scale() * correction, axis=1)  # [c]
             shifted = logp + self._weight() * correction  # log p(v) + w PMI: the corrected logits, unnormalised
             tail = np.log1p(-np.minimum(np.exp(logp).sum(1), 1 - 1e-12))  # [c]: stale mass of the other tokens
@@ -208,9 +200,10 @@ class StaleGuesses:
         return torch.log_softmax(z, dim=-1).gather(1, torch.from_numpy(tokens).to(z.device)).cpu().numpy()
 
     @functools.cached_property
-    def _stale_masked(self) -> np.ndarray:
-        """bool [L] on the host: the positions masked in the stale state (a neighbour filled since is "fresh")."""
-        return (self.context.parent == self.context.mask_id).cpu().numpy()
+    def _stale_pass(self) -> StalePass:
+        """The round's stale pass as the token correction reads it (its memo lives as long as this object)."""
+        ctx = self.context
+        return StalePass(ctx.parent, ctx.mask_id, ctx.prefix)
 
     def _weight(self) -> float:
         return 0.0 if self.neighbours is None else self.neighbours.weight(self.context.rule.temperature)

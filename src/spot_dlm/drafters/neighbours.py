@@ -20,9 +20,11 @@ The guess stays a guess: acceptance is still exact state equality, so nothing he
 
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -138,6 +140,38 @@ def load_bigram(folder: Path, vocab_size: int | None = None) -> BigramTable | No
     return table
 
 
+@dataclass
+class StalePass:
+    """What a token correction reads of one stale pass: its state, the clean text before the block (a small LM's
+    context) and a memo for what it computes once per pass (or once per block: callers may share one memo between
+    the stale passes of a block; nothing in it depends on the stale state itself)."""
+
+    state: torch.Tensor  # int64 [L]: the stale state
+    mask_id: int
+    prefix: torch.Tensor | None = None  # int64 [P]: prompt and finished blocks (None: not known)
+    memo: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def stale_masked(self) -> np.ndarray:
+        """bool [L] on the host: the positions masked in the stale state (a neighbour filled since is "fresh")."""
+        return (self.state == self.mask_id).cpu().numpy()
+
+
+class TokenCorrection(Protocol):
+    """Re-ranks stale guesses by what a branch committed since the stale pass: ``y'(v) = y(v) + (w / T) c(v)``."""
+
+    def weight(self, temperature: float) -> float: ...
+
+    def moved(self, stale: StalePass, states: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Which (state, position) pairs may be corrected at all. states int64 [M, L], positions [M] -> bool [M]"""
+
+    def correction(
+        self, stale: StalePass, parents: np.ndarray, positions: np.ndarray, candidates: np.ndarray
+    ) -> np.ndarray:
+        """c(v) for the candidates of commits made from ``parents`` (int64 [C, L] on the host) at ``positions``
+        ([C]). candidates int64 [C, R] -> float64 [C, R]"""
+
+
 @dataclass(frozen=True)
 class NeighbourTokens:
     """The bigram table with the fitted weight of its correction per temperature kind (0: stale guesses)."""
@@ -148,6 +182,17 @@ class NeighbourTokens:
 
     def weight(self, temperature: float) -> float:
         return self.weight_sampled if temperature > 0 else self.weight_greedy
+
+    def moved(self, stale: StalePass, states: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Only a position whose left or right neighbour was filled since the stale pass has a bigram correction."""
+        fresh = fresh_neighbours(states, positions, stale.stale_masked, stale.mask_id)
+        return fresh[0] | fresh[2]
+
+    def correction(
+        self, stale: StalePass, parents: np.ndarray, positions: np.ndarray, candidates: np.ndarray
+    ) -> np.ndarray:
+        fresh = fresh_neighbours(parents, positions, stale.stale_masked, stale.mask_id)
+        return neighbour_correction(self.table, candidates, *fresh)
 
 
 def fresh_neighbours(

@@ -16,13 +16,7 @@ from tqdm import tqdm
 
 from spot_dlm.api import GenerateConfig, encode_prompt
 from spot_dlm.decode import NoDrafter, StepRecord, decode_ids
-from spot_dlm.drafters.neighbours import (
-    CANDIDATES,
-    BigramTable,
-    candidate_scores,
-    fresh_neighbours,
-    neighbour_correction,
-)
+from spot_dlm.drafters.neighbours import CANDIDATES, StalePass, TokenCorrection, candidate_scores
 from spot_dlm.drafters.token_survival import MAX_STALENESS, SURVIVAL_RANKS, TokenSurvival, fit_bucket
 from spot_dlm.noise import NoiseKey
 
@@ -46,7 +40,7 @@ class SurvivalObservations:
     mask_id: int
     max_staleness: int = MAX_STALENESS
     ranks: int = SURVIVAL_RANKS
-    bigram: BigramTable | None = None  # also record the neighbour correction of the CANDIDATES best guesses
+    corrector: TokenCorrection | None = None  # also record its correction of the CANDIDATES best guesses
     staleness: list[int] = field(default_factory=list)
     scores: list[np.ndarray] = field(default_factory=list)  # float64 [R] each
     rank: list[int] = field(default_factory=list)
@@ -57,10 +51,12 @@ class SurvivalObservations:
     def observer(self, key: NoiseKey):
         """A decode observer recording every commit against the last ``max_staleness`` states of its block."""
         recent: deque[StepRecord] = deque(maxlen=self.max_staleness)
+        block_memo: dict = {}  # what the corrector computes once per block (a small LM's prefix and states)
 
         def record(rec: StepRecord) -> None:
             if recent and recent[-1].block_index != rec.block_index:
                 recent.clear()
+                block_memo.clear()
             committed = ((rec.state == self.mask_id) & (rec.next_state != self.mask_id)).nonzero()[:, 0]
             vocab = rec.logits.shape[-1]
             for position in committed.tolist():
@@ -73,23 +69,25 @@ class SurvivalObservations:
                     self.staleness.append(staleness)
                     self.scores.append(scores.topk(self.ranks).values.cpu().numpy())
                     self.rank.append(int((scores > scores[token]).sum()))
-                    if self.bigram is not None:
-                        self._record_candidates(scores, rec, stale, position, token)
+                    if self.corrector is not None:
+                        self._record_candidates(scores, rec, stale, position, token, block_memo)
             recent.append(rec)
 
         return record
 
-    def _record_candidates(self, scores: torch.Tensor, rec: StepRecord, stale: StepRecord, position: int, token: int):
-        """The best stale guesses at a committed position, their PMI with the neighbours committed since the stale
-        pass (``rec.state`` is what a drafted node holds when it makes this commit), and where the token is."""
+    def _record_candidates(
+        self, scores: torch.Tensor, rec: StepRecord, stale: StepRecord, position: int, token: int, memo: dict
+    ) -> None:
+        """The best stale guesses at a committed position, the corrector's correction of them for the commits made
+        since the stale pass (``rec.state`` is what a drafted node holds when it makes this commit), and where the
+        token is. ``memo``: shared by the stale passes of one block."""
         at = np.asarray([position])
         rank0 = torch.full((rec.state.shape[0],), int(scores.argmax()), dtype=torch.int64)  # the rule's tie-break
         table = scores.cpu()[None].expand(rec.state.shape[0], -1)  # only row ``position`` is read
         values, candidates = candidate_scores(table, rank0, at, CANDIDATES)  # [1, R]
-        stale_masked = (stale.state == self.mask_id).cpu().numpy()
-        fresh = fresh_neighbours(rec.state.cpu().numpy()[None], at, stale_masked, self.mask_id)
+        stale_pass = StalePass(stale.state, self.mask_id, stale.prefix, memo)
         self.candidate_scores.append(values[0])
-        self.correction.append(neighbour_correction(self.bigram, candidates, *fresh)[0])
+        self.correction.append(self.corrector.correction(stale_pass, rec.state.cpu().numpy()[None], at, candidates)[0])
         hit = np.flatnonzero(candidates[0] == token)
         self.committed_candidate.append(int(hit[0]) if len(hit) else -1)
 
@@ -130,14 +128,15 @@ def observe(
     block_length: int = 32,
     gen_length: int = 256,
     progress: bool = True,
-    bigram: BigramTable | None = None,
+    corrector: TokenCorrection | None = None,
 ) -> SurvivalObservations:
     """Standard decoding of the prompts (request ids 0..n-1 under ``seed``) with survival observations (and the
-    neighbour correction's, with ``bigram``)."""
+    correction's, with a ``corrector``: the bigram's ``NeighbourTokens`` or a ``TokenLM``; its weight is not
+    read)."""
     config = GenerateConfig(
         method="standard", temperature=temperature, seed=seed, block_length=block_length, gen_length=gen_length
     )
-    observations = SurvivalObservations(temperature=temperature, mask_id=target.mask_id, bigram=bigram)
+    observations = SurvivalObservations(temperature=temperature, mask_id=target.mask_id, corrector=corrector)
     for request, prompt in enumerate(tqdm(prompts, desc=f"token survival T={temperature:g}", disable=not progress)):
         key = NoiseKey(seed, request)
         ids = encode_prompt(prompt, codec, config, target)
@@ -164,7 +163,7 @@ def fit_neighbour_weight(observations: SurvivalObservations, grid: tuple[float, 
     """The weight of the grid under which the top corrected guess is the committed token most often (all
     stalenesses together; ties: the smaller weight)."""
     if not observations.candidate_scores:
-        raise ValueError("no neighbour observations: observe with a bigram table")
+        raise ValueError("no correction observations: observe with a corrector")
     kept = [float(np.mean(observations.neighbour_arrays(w)[1] == 0)) for w in grid]
     return grid[int(np.argmax(kept))]
 

@@ -1,0 +1,143 @@
+"""Token guesses re-ranked by a small block-diffusion LM's change of belief.
+
+The bigram correction (``drafters/neighbours.py``) sees only the two tokens beside a drafted position. A small
+block-diffusion LM over the target's vocabulary sees the whole branch: scored on the stale state and on the node a
+commit is drafted from, the difference of its log-probabilities is the evidence the branch's commits bring to each
+stale guess, and by Bayes' rule it moves the target's stale belief the same way:
+
+    y'(v) = y(v) + (w / T) * ( log q(v | node) - log q(v | stale state) )
+
+with ``y`` the coupled score (``Z / T + gumbel``, or ``Z`` at T = 0; T reads as 1 there) and ``w`` fitted on
+standard decoding of training prompts (``spot-dlm fit-token-survival --token-lm``). The small LM reads the last
+``window`` clean tokens before the block; it runs once per distinct node of a round (batched) and once on the
+stale state, never on the target's pass counter. As with the bigram, the guess stays a guess: acceptance is exact
+state equality, so nothing here can change an output token.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spot_dlm.drafters.neighbours import StalePass
+from spot_dlm.drafters.token_survival import TokenSurvival
+
+TOKEN_LM_DIR = "token_lm"  # sub-folder of a drafter folder holding the small LM (built-in architecture)
+TOKEN_LM_FIT_FILE = "token_survival_lm.json"  # its fitted weights and the survival of the corrected guesses
+DEFAULT_WINDOW = 256
+
+
+@dataclass(frozen=True)
+class TokenLM:
+    """A small block-diffusion LM over the target's vocabulary and the fitted weight of its correction."""
+
+    model: object  # a Target (models/base.py): prefill + score, its own pass counter
+    weight_greedy: float
+    weight_sampled: float
+    window: int = DEFAULT_WINDOW  # clean tokens before the block the small LM reads
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"token LM window must be >= 1, got {self.window}")
+
+    def weight(self, temperature: float) -> float:
+        return self.weight_sampled if temperature > 0 else self.weight_greedy
+
+    def moved(self, stale: StalePass, states: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Every drafted node differs from the stale state somewhere: the LM may move any position."""
+        return np.ones(len(positions), dtype=bool)
+
+    def correction(
+        self, stale: StalePass, parents: np.ndarray, positions: np.ndarray, candidates: np.ndarray
+    ) -> np.ndarray:
+        """log q(v | parent) - log q(v | stale state) at each commit's position. parents int64 [C, L], positions
+        [C], candidates int64 [C, R] -> float64 [C, R]"""
+        stale_state = stale.state.cpu().numpy()[None]  # [1, L]
+        now = self.log_probs(stale, parents, positions, candidates)  # [C, R]
+        before = self.log_probs(stale, np.repeat(stale_state, len(positions), 0), positions, candidates)
+        known = np.isfinite(now) & np.isfinite(before)  # the mask token (a candidate in tiny vocabularies): none
+        return np.where(known, now - np.where(known, before, 0.0), 0.0)
+
+    def log_probs(
+        self, stale: StalePass, states: np.ndarray, positions: np.ndarray, candidates: np.ndarray
+    ) -> np.ndarray:
+        """log q(candidates at position | state). states int64 [C, L] -> float64 [C, R]; each distinct state is
+        scored once per memo (one batched small-LM pass for those not seen yet)."""
+        table = stale.memo.setdefault("token_lm", {})  # state bytes -> float32 [L, V] log-probabilities
+        keys = [row.tobytes() for row in states]
+        first = {}  # each state not seen yet -> its first row
+        for row, key in enumerate(keys):
+            if key not in table:
+                first.setdefault(key, row)
+        if first:
+            scored = self._score(stale, states[list(first.values())])  # [B, L, V]
+            table.update(zip(first, scored, strict=True))
+        stacked = np.stack([table[k][p] for k, p in zip(keys, positions, strict=True)])  # [C, V]
+        return np.take_along_axis(stacked, candidates, 1).astype(np.float64)
+
+    def _score(self, stale: StalePass, states: np.ndarray) -> np.ndarray:
+        """One small-LM pass over B block states after the prefix window -> float32 [B, L, V] log-probabilities
+        (the mask token excluded)."""
+        if stale.prefix is None:
+            raise ValueError("the token LM reads the text before the block: this round carries no prefix")
+        model = self.model
+        cache = stale.memo.get("token_lm_prefix")
+        if cache is None:
+            window = stale.prefix[-self.window :].to(model.device)
+            cache = stale.memo["token_lm_prefix"] = model.prefill(window)
+        blocks = torch.from_numpy(states).to(model.device)
+        logits = model.score(cache, blocks).logits.float()  # [B, L, V]
+        logits[..., stale.mask_id] = float("-inf")
+        return torch.log_softmax(logits, dim=-1).cpu().numpy()
+
+
+def save_token_lm_fit(weights: tuple[float, float], survival: TokenSurvival, window: int, folder: Path) -> Path:
+    """Write the fitted (greedy, sampled) weights, the window and the survival of the corrected guesses."""
+    path = Path(folder) / TOKEN_LM_FIT_FILE
+    raw = {"weight_greedy": weights[0], "weight_sampled": weights[1], "window": window}
+    path.write_text(json.dumps(raw | json.loads(survival.to_json()), indent=2))
+    return path
+
+
+def install_token_lm(source: Path, folder: Path) -> Path:
+    """Copy a small LM checkpoint (built-in architecture: config.json, model.safetensors, tokenizer.json) into a
+    drafter folder's ``token_lm/``; returns that folder."""
+    source, dest = Path(source), Path(folder) / TOKEN_LM_DIR
+    if source.resolve() == dest.resolve():
+        return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        if not (source / name).is_file():
+            raise FileNotFoundError(f"token LM checkpoint {source} has no {name}")
+        shutil.copyfile(source / name, dest / name)
+    return dest
+
+
+def load_token_lm(folder: Path, target, device: str | torch.device = "cpu"):
+    """``(TokenLM, TokenSurvival of the corrected guesses)`` from a drafter folder, or None when it has no token
+    LM or no fit; ValueError when either is corrupt or the LM's vocabulary is not the target's."""
+    from spot_dlm.models.builtin import load_builtin_target
+
+    folder = Path(folder)
+    path = folder / TOKEN_LM_FIT_FILE
+    if not path.is_file() or not (folder / TOKEN_LM_DIR).is_dir():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        weights = float(raw.pop("weight_greedy")), float(raw.pop("weight_sampled"))
+        window = int(raw.pop("window"))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"invalid token LM fit {path}: {err}") from err
+    survival = TokenSurvival.from_json(json.dumps(raw), str(path))
+    model, _ = load_builtin_target(folder / TOKEN_LM_DIR, device=device)
+    if model.vocab_size != target.vocab_size or model.mask_id != target.mask_id:
+        raise ValueError(
+            f"token LM {folder / TOKEN_LM_DIR} has vocabulary {model.vocab_size} (mask {model.mask_id}); the target "
+            f"has {target.vocab_size} (mask {target.mask_id})"
+        )
+    return TokenLM(model, *weights, window=window), survival

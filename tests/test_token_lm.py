@@ -1,0 +1,207 @@
+"""Token guesses re-ranked by a small LM's change of belief: the correction, its memo and window, how fits, the API
+and the CLI use it. (Exactness with it: ``test_exactness.test_neighbour_tokens_equal_standard``.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from spot_dlm import cli
+from spot_dlm.api import GenerateConfig, load_target, make_drafter
+from spot_dlm.bench.run import method_options
+from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
+from spot_dlm.drafters.neighbours import StalePass
+from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE, TokenLM, load_token_lm, save_token_lm_fit
+from spot_dlm.models.builtin import BuiltinTarget
+from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
+from spot_dlm.noise import NoiseKey
+from spot_dlm.rules import CommitRule
+from spot_dlm.train.token_survival import SurvivalObservations
+from test_neighbours import SURVIVAL, copy_order_model
+
+torch.set_num_threads(1)
+L = 8
+
+
+@pytest.fixture
+def small_lm(model_factory) -> TokenLM:
+    """Another random model over the tiny target's vocabulary, in float64."""
+    model = model_factory(seed=7).to(torch.float64)
+    return TokenLM(BuiltinTarget(model=model), weight_greedy=1.0, weight_sampled=1.0, window=6)
+
+
+def random_states(vocab: int, mask: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    states = rng.integers(3, vocab, (n, L))
+    states[rng.random((n, L)) < 0.5] = mask
+    return states
+
+
+def direct_log_probs(lm: TokenLM, prefix: torch.Tensor, state: np.ndarray) -> np.ndarray:
+    """log q over the vocabulary at every position of one state, scored alone (no memo, no batch). -> [L, V]"""
+    model = lm.model
+    logits = model.score(model.prefill(prefix[-lm.window :]), torch.from_numpy(state)[None]).logits[0].double()
+    logits[:, model.mask_id] = float("-inf")
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def test_correction_is_the_change_of_belief_of_each_state_scored_alone(small_lm: TokenLM) -> None:
+    model = small_lm.model
+    vocab, mask = model.vocab_size, model.mask_id
+    prefix = torch.randint(3, vocab, (11,), generator=torch.Generator().manual_seed(0))
+    stale_state = np.full(L, mask)
+    stale_state[[1, 4]] = [5, 9]
+    parents = random_states(vocab, mask, 6, 1)
+    parents[3] = parents[0]  # a repeated parent is scored once
+    parents[5] = stale_state  # the stale state itself: no evidence
+    positions = np.array([0, 2, 3, 5, 6, 7])
+    candidates = np.random.default_rng(2).integers(3, vocab, (6, 4))
+    stale = StalePass(torch.from_numpy(stale_state), mask, prefix)
+    correction = small_lm.correction(stale, parents, positions, candidates)  # [6, 4]
+    before = direct_log_probs(small_lm, prefix, stale_state)
+    for row in range(6):
+        now = direct_log_probs(small_lm, prefix, parents[row])
+        expected = now[positions[row], candidates[row]] - before[positions[row], candidates[row]]
+        assert np.allclose(correction[row], expected, atol=1e-5)  # the memo keeps float32
+    assert np.allclose(correction[5], 0)
+    assert np.abs(correction[:5]).max() > 1e-3
+    assert len(stale.memo["token_lm"]) == 5  # 4 distinct parents + the stale state
+    assert np.array_equal(small_lm.moved(stale, parents, positions), np.ones(6, dtype=bool))
+
+
+def test_the_lm_reads_only_its_window_of_the_prefix(small_lm: TokenLM) -> None:
+    model = small_lm.model
+    vocab, mask = model.vocab_size, model.mask_id
+    prefix = torch.randint(3, vocab, (12,), generator=torch.Generator().manual_seed(3))
+    parents, positions = random_states(vocab, mask, 3, 4), np.array([1, 2, 3])
+    candidates = np.random.default_rng(5).integers(3, vocab, (3, 4))
+    stale_state = torch.full((L,), mask)
+
+    def correction(prefix: torch.Tensor) -> np.ndarray:
+        return small_lm.correction(StalePass(stale_state, mask, prefix), parents, positions, candidates)
+
+    far, near = prefix.clone(), prefix.clone()
+    far[0] = (far[0] + 1 - 3) % (vocab - 3) + 3  # outside the last 6 tokens
+    near[-1] = (near[-1] + 1 - 3) % (vocab - 3) + 3
+    assert np.array_equal(correction(prefix), correction(far))
+    assert not np.allclose(correction(prefix), correction(near))
+
+
+def test_a_round_without_its_prefix_is_a_clear_error(small_lm: TokenLM) -> None:
+    stale = StalePass(torch.full((L,), small_lm.model.mask_id), small_lm.model.mask_id, prefix=None)
+    with pytest.raises(ValueError, match="no prefix"):
+        small_lm.correction(stale, np.full((1, L), 3), np.array([0]), np.array([[4, 5]]))
+    with pytest.raises(ValueError, match="window"):
+        TokenLM(small_lm.model, 1.0, 1.0, window=0)
+
+
+def test_lm_observations_at_weight_zero_are_the_stale_ranks(make_target, small_lm: TokenLM) -> None:
+    target = make_target()
+    settings = DecodeSettings(CommitRule("one", temperature=1.0), block_length=8, gen_length=24, stop_at_eos=False)
+    observations = SurvivalObservations(temperature=1.0, mask_id=target.mask_id, max_staleness=2, corrector=small_lm)
+    for request in range(2):
+        key = NoiseKey(0, request)
+        prompt = torch.tensor([5 + request, 6, 7], dtype=torch.int64)
+        decode_ids(target, prompt, settings, NoDrafter(), key, observations.observer(key))
+    for staleness in (1, 2):
+        scores, rank = observations.arrays(staleness)
+        corrected, corrected_rank = observations.neighbour_arrays(0.0, staleness)
+        assert np.allclose(corrected, scores)
+        assert np.array_equal(corrected_rank, np.minimum(rank, observations.ranks))
+    corrections = np.stack(observations.correction)
+    assert np.isfinite(corrections).all() and np.abs(corrections).max() > 1e-3
+
+
+def install_made_up_fit(folder: Path, checkpoint: Path, window: int = 32) -> None:
+    (folder / TOKEN_LM_DIR).mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", TOKENIZER_FILE):
+        (folder / TOKEN_LM_DIR / name).write_bytes((checkpoint / name).read_bytes())
+    save_token_lm_fit((0.5, 0.75), SURVIVAL, window, folder)
+
+
+def tiny_checkpoint(folder: Path, model, tokenizer_from: Path) -> Path:
+    """A built-in-architecture checkpoint of ``model`` with the tokenizer of another folder (same vocabulary)."""
+    save_checkpoint(model.to(torch.float32), folder)
+    (folder / TOKENIZER_FILE).write_bytes((tokenizer_from / TOKENIZER_FILE).read_bytes())
+    return folder
+
+
+def test_spot_drafter_prefers_the_folders_token_lm_unless_told(long_checkpoint, model_factory, tmp_path) -> None:
+    target, _ = load_target(str(long_checkpoint))
+    folder = tmp_path / "drafter"
+    copy_order_model(folder)
+    lm = model_factory(vocab_size=target.vocab_size, seed=8, max_seq_len=1024)
+    install_made_up_fit(folder, tiny_checkpoint(tmp_path / "lm", lm, long_checkpoint), window=32)
+    drafter = make_drafter(GenerateConfig(method="spot", drafter=str(folder)), target)
+    assert isinstance(drafter.neighbours, TokenLM) and drafter.neighbours.window == 32
+    assert drafter.neighbours.weight(0.0) == 0.5 and drafter.token_survival == SURVIVAL
+    plain = make_drafter(GenerateConfig(method="spot", drafter=str(folder), token_lm=False), target)
+    assert plain.neighbours is None  # no bigram in this folder
+    off = make_drafter(GenerateConfig(method="spot", drafter=str(folder), neighbour_tokens=False), target)
+    assert off.neighbours is None
+    sets = make_drafter(GenerateConfig(method="spot-sets", drafter=str(folder)), target)
+    assert isinstance(sets.neighbours, TokenLM)
+
+
+def test_token_lm_of_another_vocabulary_or_a_corrupt_fit_is_refused(long_checkpoint, model_factory, tmp_path) -> None:
+    from spot_dlm.models.builtin import builtin_dir
+
+    target, _ = load_target(str(long_checkpoint))
+    folder = tmp_path / "drafter"
+    copy_order_model(folder)
+    other = model_factory(vocab_size=2048, seed=9)  # the shipped tokenizer's vocabulary, not the target's
+    install_made_up_fit(folder, tiny_checkpoint(tmp_path / "lm", other, builtin_dir()))
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_drafter(GenerateConfig(method="spot", drafter=str(folder)), target)
+    (folder / TOKEN_LM_FIT_FILE).write_text(json.dumps({"weight_greedy": 1.0}))
+    with pytest.raises(ValueError, match="invalid token LM fit"):
+        load_token_lm(folder, target)
+
+
+def test_bench_suffix_turns_the_token_lm_off() -> None:
+    assert method_options("spot-lm0") == ("spot", {"token_lm": False})
+    assert method_options("spot-nb1-lm0-np0") == (
+        "spot",
+        {"neighbour_prior": False, "token_lm": False, "neighbour_tokens": True},
+    )
+    assert method_options("spot-m50") == ("spot", {"min_path_prob": 0.5})
+
+
+def test_cli_fit_token_survival_installs_and_fits_a_token_lm(capsys, long_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "drafter"
+    copy_order_model(out)
+    args = ["fit-token-survival", "--model", str(long_checkpoint), "--out", str(out), "--n-prompts", "2"]
+    before = (out / "token_survival.json").read_text()
+    assert cli.main([*args, "--token-lm", str(long_checkpoint), "--token-lm-window", "64"]) == 0
+    printed = capsys.readouterr().out
+    assert "token LM weights: greedy" in printed and TOKEN_LM_FIT_FILE in printed
+    assert (out / TOKEN_LM_DIR / "model.safetensors").is_file()
+    assert (out / "token_survival.json").read_text() == before  # the other fits stay as they are
+    target, _ = load_target(str(long_checkpoint))
+    lm, survival = load_token_lm(out, target)
+    assert lm.window == 64 and len(survival.greedy) == len(survival.sampled) > 0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--token-lm", "/nonexistent/lm"], "token LM checkpoint not found"),
+        (["--token-lm", "WRONG_VOCAB"], "vocabulary"),
+    ],
+)
+def test_cli_fit_token_lm_bad_input(capsys, long_checkpoint, model_factory, tmp_path, extra, message) -> None:
+    out = tmp_path / "drafter"
+    copy_order_model(out)
+    if extra[1] == "WRONG_VOCAB":
+        from spot_dlm.models.builtin import builtin_dir
+
+        lm = tiny_checkpoint(tmp_path / "lm", model_factory(vocab_size=2048, seed=3), builtin_dir())
+        extra = ["--token-lm", str(lm)]
+    args = ["fit-token-survival", "--model", str(long_checkpoint), "--out", str(out), "--n-prompts", "1", *extra]
+    assert cli.main(args) != 0
+    assert message in capsys.readouterr().err
+    assert not (out / TOKEN_LM_DIR).exists()
