@@ -181,11 +181,13 @@ def neighbour_tokens(case: Case) -> NeighbourTokens:
     return NeighbourTokens(markov_bigram(case.vocab, case.seed % 3), weight_greedy=2.0, weight_sampled=1.5)
 
 
-def token_lm(case: Case) -> TokenLM:
-    """Another random model of the case's vocabulary as the small LM (a short window, so the cut is exercised)."""
+def token_lm(case: Case, with_bigram: bool = False) -> TokenLM:
+    """Another random model of the case's vocabulary as the small LM (a short window, so the cut is exercised),
+    with the made-up bigram's correction added when asked."""
     other = ("peaky", "sharp", "deep")[case.seed % 3]
     model = BuiltinTarget(exact_model(case.vocab, other, (case.model_seed + 1) % 3), scoring="batched")
-    return TokenLM(model, weight_greedy=2.0, weight_sampled=1.5, window=5)
+    bigram = neighbour_tokens(case) if with_bigram else None
+    return TokenLM(model, weight_greedy=2.0, weight_sampled=1.5, window=5, bigram=bigram)
 
 
 def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained: OrderModel | None, salt: int = 0):
@@ -233,12 +235,13 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
         if name == "spot-nb-prior":  # the confidence prior reads the corrected confidence too
             extra = {"confidence_prior": 3.0, "neighbour_prior": True}
         return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
-    if name in ("spot-lm", "spot-lm-ts-alt2-prior"):  # tokens re-ranked by a small LM's change of belief
+    if name in ("spot-lm", "spot-lm-ts-alt2-prior"):  # tokens re-ranked by a small LM's change of belief (+ bigram)
         model = trained if trained is not None else random_order_model(case.seed % 2)
         extra = {}
         if name == "spot-lm-ts-alt2-prior":
             extra = {"alternatives": 2, "token_survival": SURVIVAL, "confidence_prior": 3.0, "neighbour_prior": True}
-        return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=token_lm(case), **extra)
+        neighbours = token_lm(case, with_bigram=bool(extra))
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbours, **extra)
     if name == "stale-alt3":
         return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":

@@ -14,7 +14,7 @@ from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, load_target, make_drafter
 from spot_dlm.bench.run import method_options
 from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
-from spot_dlm.drafters.neighbours import StalePass
+from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens, StalePass, save_bigram, weighted_correction
 from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE, TokenLM, load_token_lm, save_token_lm_fit
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
@@ -61,7 +61,7 @@ def test_correction_is_the_change_of_belief_of_each_state_scored_alone(small_lm:
     positions = np.array([0, 2, 3, 5, 6, 7])
     candidates = np.random.default_rng(2).integers(3, vocab, (6, 4))
     stale = StalePass(torch.from_numpy(stale_state), mask, prefix)
-    correction = small_lm.correction(stale, parents, positions, candidates)  # [6, 4]
+    correction = small_lm.parts(stale, parents, positions, candidates)[0]  # [6, 4]
     before = direct_log_probs(small_lm, prefix, stale_state)
     for row in range(6):
         now = direct_log_probs(small_lm, prefix, parents[row])
@@ -73,6 +73,27 @@ def test_correction_is_the_change_of_belief_of_each_state_scored_alone(small_lm:
     assert np.array_equal(small_lm.moved(stale, parents, positions), np.ones(6, dtype=bool))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_with_a_bigram_the_correction_adds_both_parts_at_their_weights(small_lm: TokenLM, temperature) -> None:
+    model = small_lm.model
+    vocab, mask = model.vocab_size, model.mask_id
+    table = BigramTable.from_stream(np.random.default_rng(0).integers(0, vocab, 3000), vocab)
+    bigram = NeighbourTokens(table, weight_greedy=0.25, weight_sampled=1.5)
+    joint = TokenLM(model, weight_greedy=0.5, weight_sampled=0.75, window=6, bigram=bigram)
+    assert joint.weights(temperature) == ((0.5, 0.25) if temperature == 0 else (0.75, 1.5))
+    prefix = torch.randint(3, vocab, (9,), generator=torch.Generator().manual_seed(1))
+    stale = StalePass(torch.full((L,), mask), mask, prefix, temperature)
+    parents, positions = random_states(vocab, mask, 5, 6), np.array([0, 1, 3, 4, 7])
+    candidates = np.random.default_rng(7).integers(3, vocab, (5, 3))
+    parts = joint.parts(stale, parents, positions, candidates)  # [2, 5, 3]
+    assert parts.shape == (2, 5, 3)
+    assert np.allclose(parts[0], small_lm.parts(stale, parents, positions, candidates)[0])
+    assert np.array_equal(parts[1], bigram.parts(stale, parents, positions, candidates)[0])
+    w_lm, w_bigram = joint.weights(temperature)
+    expected = w_lm * parts[0] + w_bigram * parts[1]
+    assert np.allclose(weighted_correction(joint, stale, parents, positions, candidates), expected)
+
+
 def test_the_lm_reads_only_its_window_of_the_prefix(small_lm: TokenLM) -> None:
     model = small_lm.model
     vocab, mask = model.vocab_size, model.mask_id
@@ -82,7 +103,7 @@ def test_the_lm_reads_only_its_window_of_the_prefix(small_lm: TokenLM) -> None:
     stale_state = torch.full((L,), mask)
 
     def correction(prefix: torch.Tensor) -> np.ndarray:
-        return small_lm.correction(StalePass(stale_state, mask, prefix), parents, positions, candidates)
+        return small_lm.parts(StalePass(stale_state, mask, prefix), parents, positions, candidates)[0]
 
     far, near = prefix.clone(), prefix.clone()
     far[0] = (far[0] + 1 - 3) % (vocab - 3) + 3  # outside the last 6 tokens
@@ -94,7 +115,7 @@ def test_the_lm_reads_only_its_window_of_the_prefix(small_lm: TokenLM) -> None:
 def test_a_round_without_its_prefix_is_a_clear_error(small_lm: TokenLM) -> None:
     stale = StalePass(torch.full((L,), small_lm.model.mask_id), small_lm.model.mask_id, prefix=None)
     with pytest.raises(ValueError, match="no prefix"):
-        small_lm.correction(stale, np.full((1, L), 3), np.array([0]), np.array([[4, 5]]))
+        small_lm.parts(stale, np.full((1, L), 3), np.array([0]), np.array([[4, 5]]))
     with pytest.raises(ValueError, match="window"):
         TokenLM(small_lm.model, 1.0, 1.0, window=0)
 
@@ -145,6 +166,22 @@ def test_spot_drafter_prefers_the_folders_token_lm_unless_told(long_checkpoint, 
     assert off.neighbours is None
     sets = make_drafter(GenerateConfig(method="spot-sets", drafter=str(folder)), target)
     assert isinstance(sets.neighbours, TokenLM)
+
+
+def test_a_fit_with_bigram_weights_loads_the_folders_bigram(long_checkpoint, model_factory, tmp_path) -> None:
+    target, _ = load_target(str(long_checkpoint))
+    folder = tmp_path / "drafter"
+    copy_order_model(folder)
+    lm = model_factory(vocab_size=target.vocab_size, seed=8, max_seq_len=1024)
+    install_made_up_fit(folder, tiny_checkpoint(tmp_path / "lm", lm, long_checkpoint))
+    save_token_lm_fit(((0.5, 0.25), (0.75, 1.0)), SURVIVAL, 16, folder)
+    with pytest.raises(ValueError, match="no bigram table"):
+        load_token_lm(folder, target)
+    table = BigramTable.from_stream(np.random.default_rng(0).integers(0, target.vocab_size, 500), target.vocab_size)
+    save_bigram(table, folder)
+    loaded, survival = load_token_lm(folder, target)
+    assert loaded.weights(0.0) == (0.5, 0.25) and loaded.weights(1.0) == (0.75, 1.0) and loaded.window == 16
+    assert loaded.bigram.table.vocab_size == target.vocab_size and survival == SURVIVAL
 
 
 def test_token_lm_of_another_vocabulary_or_a_corrupt_fit_is_refused(long_checkpoint, model_factory, tmp_path) -> None:

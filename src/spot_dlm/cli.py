@@ -348,12 +348,13 @@ def _fit_correction(name: str, greedy, sampled):
     corrected = fit_neighbour_survival(greedy, sampled, weights)
     weight_of = {greedy.temperature: weights[0], sampled.temperature: weights[1]}
     _print_survival(name, corrected, greedy, sampled, lambda o, d: o.neighbour_arrays(weight_of[o.temperature], d)[1])
-    print(f"{name} weights: greedy {weights[0]:g}, sampled {weights[1]:g}")
+    print(f"{name} weights: greedy {weights[0]}, sampled {weights[1]}")
     return weights, corrected
 
 
 def _fit_token_lm(args: argparse.Namespace, target, codec, prompts, shape, out: Path) -> int:
     """Install a small LM into the drafter folder and fit its correction (the other fits stay as they are)."""
+    from spot_dlm.drafters.neighbours import NeighbourTokens, load_bigram
     from spot_dlm.drafters.token_lm import TokenLM, install_token_lm, save_token_lm_fit
     from spot_dlm.models.builtin import load_builtin_target
     from spot_dlm.train.token_survival import observe
@@ -364,7 +365,9 @@ def _fit_token_lm(args: argparse.Namespace, target, codec, prompts, shape, out: 
     small, _ = load_builtin_target(source, device=args.device)
     if small.vocab_size != target.vocab_size or small.mask_id != target.mask_id:
         raise ValueError(f"token LM {source} does not share the target's vocabulary and mask token")
-    lm = TokenLM(small, 1.0, 1.0, window=args.token_lm_window)  # weights fitted below
+    bigram = load_bigram(out, target.vocab_size)  # fitted together with the LM when the folder has one
+    bigram = None if bigram is None else NeighbourTokens(bigram, 1.0, 1.0)
+    lm = TokenLM(small, 1.0, 1.0, window=args.token_lm_window, bigram=bigram)  # weights fitted below
     greedy = observe(target, codec, prompts, 0.0, args.seed, corrector=lm, **shape)
     sampled = observe(target, codec, prompts, args.temperature, args.seed, corrector=lm, **shape)
     print("guesses     kind     staleness  commits  top guess kept  scale  outside")

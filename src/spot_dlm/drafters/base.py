@@ -19,7 +19,15 @@ import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.neighbours import CANDIDATES, StalePass, TokenCorrection, rerank, rule_first
+from spot_dlm.drafters.neighbours import (
+    CANDIDATES,
+    StalePass,
+    TokenCorrection,
+    is_active,
+    rerank,
+    rule_first,
+    weighted_correction,
+)
 from spot_dlm.drafters.token_survival import SURVIVAL_RANKS, TokenSurvival
 from spot_dlm.rules import Proposal, propose
 from spot_dlm.tree import DraftTree, TreeBuilder
@@ -159,20 +167,20 @@ class StaleGuesses:
         table = self.table(step_index, n)
         rows, count = table.rows(positions), max(CANDIDATES, n)
         candidates, scores = table.tokens[rows, :count], table.scores[rows, :count]  # [C, R]
-        if self._weight() == 0:
+        if not is_active(self.neighbours, self.context.rule.temperature):
             return candidates[:, :n].T, scores[:, :n].T
-        correction = self.neighbours.correction(self._stale_pass, parents, positions, candidates)  # [C, R]
+        correction = weighted_correction(self.neighbours, self._stale_pass, parents, positions, candidates)  # [C, R]
         return rerank(scores, candidates, correction, self._score_scale(), n)
 
     def node_confidence(self, stale: torch.Tensor, steps: list[int], states: np.ndarray) -> torch.Tensor:
         """Each node's estimate of the rule's confidence at every position: ``stale`` (the stale coupled confidence
         of its step, float64 [B, L], -inf where stale-committed) and, where a neighbour was filled since the stale
-        pass, the corrected guess's probability under the corrected distribution (``p(v) exp(w PMI)`` over the
+        pass, the corrected guess's probability under the corrected distribution (``p(v) exp(c(v))`` over the
         ``CANDIDATES`` best guesses, the rest of the mass unchanged). states int64 [B, L] on the host -> a new
         float64 [B, L] on the host"""
         ctx = self.context
         confidence = stale.cpu().clone()  # [B, L]
-        if self._weight() == 0:
+        if not is_active(self.neighbours, ctx.rule.temperature):
             return confidence
         node, position = np.nonzero(states == ctx.mask_id)  # [M] each: the positions still to commit
         moved = self.neighbours.moved(self._stale_pass, states[node], position)
@@ -183,9 +191,11 @@ class StaleGuesses:
             index = table.rows(position[same])
             candidates = table.tokens[index, :CANDIDATES]  # [c, R]
             logp = table.logprob[index, :CANDIDATES]  # [c, R]
-            correction = self.neighbours.correction(self._stale_pass, states[node[same]], position[same], candidates)
+            correction = weighted_correction(
+                self.neighbours, self._stale_pass, states[node[same]], position[same], candidates
+            )  # [c, R], nats
             best = np.argmax(table.scores[index, :CANDIDATES] + self._score_scale() * correction, axis=1)  # [c]
-            shifted = logp + self._weight() * correction  # log p(v) + w PMI: the corrected logits, unnormalised
+            shifted = logp + correction  # log p(v) + c(v): the corrected logits, unnormalised
             tail = np.log1p(-np.minimum(np.exp(logp).sum(1), 1 - 1e-12))  # [c]: stale mass of the other tokens
             total = np.logaddexp(np.logaddexp.reduce(shifted, axis=1), tail)  # [c]
             chosen = np.take_along_axis(shifted, best[:, None], 1)[:, 0] - total
@@ -203,15 +213,12 @@ class StaleGuesses:
     def _stale_pass(self) -> StalePass:
         """The round's stale pass as the token correction reads it (its memo lives as long as this object)."""
         ctx = self.context
-        return StalePass(ctx.parent, ctx.mask_id, ctx.prefix)
-
-    def _weight(self) -> float:
-        return 0.0 if self.neighbours is None else self.neighbours.weight(self.context.rule.temperature)
+        return StalePass(ctx.parent, ctx.mask_id, ctx.prefix, ctx.rule.temperature)
 
     def _score_scale(self) -> float:
         """What one nat of the correction adds to a coupled score (``Z / T + gumbel``; ``Z`` at T = 0)."""
         rule = self.context.rule
-        return self._weight() / (rule.temperature if rule.needs_noise else 1.0)
+        return 1.0 / (rule.temperature if rule.needs_noise else 1.0)
 
     def tokens(self, step_index: int, rank: int) -> torch.Tensor:
         """Coupled token guesses of a given rank for every position. -> int64 [L]"""

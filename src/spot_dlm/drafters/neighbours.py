@@ -142,13 +142,14 @@ def load_bigram(folder: Path, vocab_size: int | None = None) -> BigramTable | No
 
 @dataclass
 class StalePass:
-    """What a token correction reads of one stale pass: its state, the clean text before the block (a small LM's
-    context) and a memo for what it computes once per pass (or once per block: callers may share one memo between
-    the stale passes of a block; nothing in it depends on the stale state itself)."""
+    """What a token correction reads of one stale pass: its state, the rule's temperature, the clean text before the
+    block (a small LM's context) and a memo for what it computes once per pass (callers may share one memo between
+    the stale passes of a block: nothing in it depends on the stale state itself)."""
 
     state: torch.Tensor  # int64 [L]: the stale state
     mask_id: int
     prefix: torch.Tensor | None = None  # int64 [P]: prompt and finished blocks (None: not known)
+    temperature: float = 0.0
     memo: dict = field(default_factory=dict)
 
     @functools.cached_property
@@ -158,18 +159,33 @@ class StalePass:
 
 
 class TokenCorrection(Protocol):
-    """Re-ranks stale guesses by what a branch committed since the stale pass: ``y'(v) = y(v) + (w / T) c(v)``."""
+    """Re-ranks stale guesses by what a branch committed since the stale pass: ``y'(v) = y(v) + (1 / T) c(v)`` with
+    ``c = sum_k w_k c_k``, K parts each with a fitted weight per temperature kind (``weighted_correction``)."""
 
-    def weight(self, temperature: float) -> float: ...
+    def weights(self, temperature: float) -> tuple[float, ...]:
+        """w_k for each part (greedy weights at T = 0, sampled ones above)."""
 
     def moved(self, stale: StalePass, states: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Which (state, position) pairs may be corrected at all. states int64 [M, L], positions [M] -> bool [M]"""
 
-    def correction(
+    def parts(
         self, stale: StalePass, parents: np.ndarray, positions: np.ndarray, candidates: np.ndarray
     ) -> np.ndarray:
-        """c(v) for the candidates of commits made from ``parents`` (int64 [C, L] on the host) at ``positions``
-        ([C]). candidates int64 [C, R] -> float64 [C, R]"""
+        """c_k(v) for the candidates of commits made from ``parents`` (int64 [C, L] on the host) at ``positions``
+        ([C]). candidates int64 [C, R] -> float64 [K, C, R]"""
+
+
+def weighted_correction(
+    corrector: TokenCorrection, stale: StalePass, parents: np.ndarray, positions: np.ndarray, candidates: np.ndarray
+) -> np.ndarray:
+    """c(v) = sum_k w_k c_k(v) in nats, at the stale pass's temperature. -> float64 [C, R]"""
+    weights = np.asarray(corrector.weights(stale.temperature), dtype=np.float64)  # [K]
+    return np.tensordot(weights, corrector.parts(stale, parents, positions, candidates), axes=1)
+
+
+def is_active(corrector: TokenCorrection | None, temperature: float) -> bool:
+    """Does the correction change anything at this temperature (some weight non-zero)?"""
+    return corrector is not None and any(w != 0 for w in corrector.weights(temperature))
 
 
 @dataclass(frozen=True)
@@ -183,16 +199,19 @@ class NeighbourTokens:
     def weight(self, temperature: float) -> float:
         return self.weight_sampled if temperature > 0 else self.weight_greedy
 
+    def weights(self, temperature: float) -> tuple[float, ...]:
+        return (self.weight(temperature),)
+
     def moved(self, stale: StalePass, states: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Only a position whose left or right neighbour was filled since the stale pass has a bigram correction."""
         fresh = fresh_neighbours(states, positions, stale.stale_masked, stale.mask_id)
         return fresh[0] | fresh[2]
 
-    def correction(
+    def parts(
         self, stale: StalePass, parents: np.ndarray, positions: np.ndarray, candidates: np.ndarray
     ) -> np.ndarray:
         fresh = fresh_neighbours(parents, positions, stale.stale_masked, stale.mask_id)
-        return neighbour_correction(self.table, candidates, *fresh)
+        return neighbour_correction(self.table, candidates, *fresh)[None]  # [1, C, R]
 
 
 def fresh_neighbours(

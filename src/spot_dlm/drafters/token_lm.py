@@ -5,13 +5,15 @@ block-diffusion LM over the target's vocabulary sees the whole branch: scored on
 commit is drafted from, the difference of its log-probabilities is the evidence the branch's commits bring to each
 stale guess, and by Bayes' rule it moves the target's stale belief the same way:
 
-    y'(v) = y(v) + (w / T) * ( log q(v | node) - log q(v | stale state) )
+    y'(v) = y(v) + (1 / T) * ( w * (log q(v | node) - log q(v | stale state)) + w_b * bigram PMI )
 
-with ``y`` the coupled score (``Z / T + gumbel``, or ``Z`` at T = 0; T reads as 1 there) and ``w`` fitted on
-standard decoding of training prompts (``spot-dlm fit-token-survival --token-lm``). The small LM reads the last
-``window`` clean tokens before the block; it runs once per distinct node of a round (batched) and once on the
-stale state, never on the target's pass counter. As with the bigram, the guess stays a guess: acceptance is exact
-state equality, so nothing here can change an output token.
+with ``y`` the coupled score (``Z / T + gumbel``, or ``Z`` at T = 0; T reads as 1 there), the bigram term of
+``drafters/neighbours.py`` when the drafter folder has a bigram table (the two see different evidence: the LM the
+whole block and the text before it, the bigram 20M tokens of counts), and the weights fitted together on standard
+decoding of training prompts (``spot-dlm fit-token-survival --token-lm``). The small LM reads the last ``window``
+clean tokens before the block; it runs once per distinct node of a round (batched) and once on the stale state,
+never on the target's pass counter. As with the bigram, the guess stays a guess: acceptance is exact state
+equality, so nothing here can change an output token.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spot_dlm.drafters.neighbours import StalePass
+from spot_dlm.drafters.neighbours import NeighbourTokens, StalePass, load_bigram
 from spot_dlm.drafters.token_survival import TokenSurvival
 
 TOKEN_LM_DIR = "token_lm"  # sub-folder of a drafter folder holding the small LM (built-in architecture)
@@ -34,12 +36,14 @@ DEFAULT_WINDOW = 256
 
 @dataclass(frozen=True)
 class TokenLM:
-    """A small block-diffusion LM over the target's vocabulary and the fitted weight of its correction."""
+    """A small block-diffusion LM over the target's vocabulary and the fitted weight of its correction, optionally
+    added to the bigram's (``bigram``, with its own weights: the two see different evidence)."""
 
     model: object  # a Target (models/base.py): prefill + score, its own pass counter
     weight_greedy: float
     weight_sampled: float
     window: int = DEFAULT_WINDOW  # clean tokens before the block the small LM reads
+    bigram: NeighbourTokens | None = None
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -48,20 +52,27 @@ class TokenLM:
     def weight(self, temperature: float) -> float:
         return self.weight_sampled if temperature > 0 else self.weight_greedy
 
+    def weights(self, temperature: float) -> tuple[float, ...]:
+        """(LM weight,) or (LM weight, bigram weight)."""
+        return (self.weight(temperature), *(() if self.bigram is None else self.bigram.weights(temperature)))
+
     def moved(self, stale: StalePass, states: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Every drafted node differs from the stale state somewhere: the LM may move any position."""
         return np.ones(len(positions), dtype=bool)
 
-    def correction(
+    def parts(
         self, stale: StalePass, parents: np.ndarray, positions: np.ndarray, candidates: np.ndarray
     ) -> np.ndarray:
-        """log q(v | parent) - log q(v | stale state) at each commit's position. parents int64 [C, L], positions
-        [C], candidates int64 [C, R] -> float64 [C, R]"""
+        """[log q(v | parent) - log q(v | stale state), then the bigram's PMI if any] at each commit's position.
+        parents int64 [C, L], positions [C], candidates int64 [C, R] -> float64 [K, C, R]"""
         stale_state = stale.state.cpu().numpy()[None]  # [1, L]
         now = self.log_probs(stale, parents, positions, candidates)  # [C, R]
         before = self.log_probs(stale, np.repeat(stale_state, len(positions), 0), positions, candidates)
         known = np.isfinite(now) & np.isfinite(before)  # the mask token (a candidate in tiny vocabularies): none
-        return np.where(known, now - np.where(known, before, 0.0), 0.0)
+        lm = np.where(known, now - np.where(known, before, 0.0), 0.0)[None]
+        if self.bigram is None:
+            return lm
+        return np.concatenate([lm, self.bigram.parts(stale, parents, positions, candidates)])
 
     def log_probs(
         self, stale: StalePass, states: np.ndarray, positions: np.ndarray, candidates: np.ndarray
@@ -96,10 +107,14 @@ class TokenLM:
         return torch.log_softmax(logits, dim=-1).cpu().numpy()
 
 
-def save_token_lm_fit(weights: tuple[float, float], survival: TokenSurvival, window: int, folder: Path) -> Path:
-    """Write the fitted (greedy, sampled) weights, the window and the survival of the corrected guesses."""
+def save_token_lm_fit(weights: tuple, survival: TokenSurvival, window: int, folder: Path) -> Path:
+    """Write the fitted (greedy, sampled) weights, each an LM weight or (LM weight, bigram weight), the window and
+    the survival of the corrected guesses."""
     path = Path(folder) / TOKEN_LM_FIT_FILE
-    raw = {"weight_greedy": weights[0], "weight_sampled": weights[1], "window": window}
+    greedy, sampled = (tuple(np.atleast_1d(np.asarray(w, dtype=float)).tolist()) for w in weights)
+    raw = {"weight_greedy": greedy[0], "weight_sampled": sampled[0], "window": window}
+    if len(greedy) > 1:
+        raw |= {"bigram_weight_greedy": greedy[1], "bigram_weight_sampled": sampled[1]}
     path.write_text(json.dumps(raw | json.loads(survival.to_json()), indent=2))
     return path
 
@@ -131,13 +146,22 @@ def load_token_lm(folder: Path, target, device: str | torch.device = "cpu"):
         raw = json.loads(path.read_text())
         weights = float(raw.pop("weight_greedy")), float(raw.pop("weight_sampled"))
         window = int(raw.pop("window"))
+        bigram_weights = None
+        if "bigram_weight_greedy" in raw:
+            bigram_weights = float(raw.pop("bigram_weight_greedy")), float(raw.pop("bigram_weight_sampled"))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"invalid token LM fit {path}: {err}") from err
     survival = TokenSurvival.from_json(json.dumps(raw), str(path))
+    bigram = None
+    if bigram_weights is not None:
+        table = load_bigram(folder, target.vocab_size)
+        if table is None:
+            raise ValueError(f"token LM fit {path} adds the bigram's correction but {folder} has no bigram table")
+        bigram = NeighbourTokens(table, *bigram_weights)
     model, _ = load_builtin_target(folder / TOKEN_LM_DIR, device=device)
     if model.vocab_size != target.vocab_size or model.mask_id != target.mask_id:
         raise ValueError(
             f"token LM {folder / TOKEN_LM_DIR} has vocabulary {model.vocab_size} (mask {model.mask_id}); the target "
             f"has {target.vocab_size} (mask {target.mask_id})"
         )
-    return TokenLM(model, *weights, window=window), survival
+    return TokenLM(model, *weights, window=window, bigram=bigram), survival

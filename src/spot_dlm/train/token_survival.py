@@ -7,6 +7,7 @@ among them. That is exactly what a draft edge d levels below a stale pass bets o
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,7 +46,7 @@ class SurvivalObservations:
     scores: list[np.ndarray] = field(default_factory=list)  # float64 [R] each
     rank: list[int] = field(default_factory=list)
     candidate_scores: list[np.ndarray] = field(default_factory=list)  # float64 [CANDIDATES] each, rule's guess first
-    correction: list[np.ndarray] = field(default_factory=list)  # float64 [CANDIDATES]: PMI with fresh neighbours
+    correction: list[np.ndarray] = field(default_factory=list)  # float64 [K, CANDIDATES]: each part's correction
     committed_candidate: list[int] = field(default_factory=list)  # index of the committed token there, or -1
 
     def observer(self, key: NoiseKey):
@@ -85,9 +86,9 @@ class SurvivalObservations:
         rank0 = torch.full((rec.state.shape[0],), int(scores.argmax()), dtype=torch.int64)  # the rule's tie-break
         table = scores.cpu()[None].expand(rec.state.shape[0], -1)  # only row ``position`` is read
         values, candidates = candidate_scores(table, rank0, at, CANDIDATES)  # [1, R]
-        stale_pass = StalePass(stale.state, self.mask_id, stale.prefix, memo)
+        stale_pass = StalePass(stale.state, self.mask_id, stale.prefix, self.temperature, memo)
         self.candidate_scores.append(values[0])
-        self.correction.append(self.corrector.correction(stale_pass, rec.state.cpu().numpy()[None], at, candidates)[0])
+        self.correction.append(self.corrector.parts(stale_pass, rec.state.cpu().numpy()[None], at, candidates)[:, 0])
         hit = np.flatnonzero(candidates[0] == token)
         self.committed_candidate.append(int(hit[0]) if len(hit) else -1)
 
@@ -99,8 +100,11 @@ class SurvivalObservations:
             chosen = np.asarray(self.staleness) == staleness
         if not self.candidate_scores or not chosen.any():
             return np.zeros((0, self.ranks)), np.zeros(0, dtype=np.int64)
-        scale = weight / (self.temperature if self.temperature > 0 else 1.0)
-        corrected = np.stack(self.candidate_scores)[chosen] + scale * np.stack(self.correction)[chosen]  # [N, C]
+        parts = np.stack(self.correction)[chosen]  # [N, K, C] ([N, C]: one part)
+        parts = parts[:, None] if parts.ndim == 2 else parts
+        weights = np.broadcast_to(np.asarray(weight, dtype=np.float64), parts.shape[1:2])  # [K]
+        scale = 1.0 / (self.temperature if self.temperature > 0 else 1.0)
+        corrected = np.stack(self.candidate_scores)[chosen] + scale * np.einsum("k,nkc->nc", weights, parts)
         order = np.argsort(-corrected, axis=1, kind="stable")  # [N, C]
         committed = np.asarray(self.committed_candidate)[chosen]  # [N]
         rank = np.argmax(order == committed[:, None], axis=1)  # position of the committed candidate
@@ -159,21 +163,26 @@ def fit_token_survival(greedy: SurvivalObservations, sampled: SurvivalObservatio
     return TokenSurvival(greedy=buckets(greedy), sampled=buckets(sampled))
 
 
-def fit_neighbour_weight(observations: SurvivalObservations, grid: tuple[float, ...] = NEIGHBOUR_WEIGHTS) -> float:
+def fit_neighbour_weight(
+    observations: SurvivalObservations, grid: tuple[float, ...] = NEIGHBOUR_WEIGHTS
+) -> float | tuple[float, ...]:
     """The weight of the grid under which the top corrected guess is the committed token most often (all
-    stalenesses together; ties: the smaller weight)."""
+    stalenesses together; ties: the smaller weights), one per part of the correction: a float for a single part
+    (the bigram), a tuple over the grid's K-fold product for K parts."""
     if not observations.candidate_scores:
         raise ValueError("no correction observations: observe with a corrector")
-    kept = [float(np.mean(observations.neighbour_arrays(w)[1] == 0)) for w in grid]
-    return grid[int(np.argmax(kept))]
+    n_parts = np.asarray(observations.correction[0]).reshape(-1, len(observations.candidate_scores[0])).shape[0]
+    choices = grid if n_parts == 1 else list(itertools.product(grid, repeat=n_parts))  # in increasing order
+    kept = [float(np.mean(observations.neighbour_arrays(w)[1] == 0)) for w in choices]
+    return choices[int(np.argmax(kept))]
 
 
 def fit_neighbour_survival(
-    greedy: SurvivalObservations, sampled: SurvivalObservations, weights: tuple[float, float]
+    greedy: SurvivalObservations, sampled: SurvivalObservations, weights: tuple
 ) -> TokenSurvival:
     """Survival of the corrected guesses at the chosen (greedy, sampled) weights: one bucket per staleness."""
 
-    def buckets(observations: SurvivalObservations, weight: float):
+    def buckets(observations: SurvivalObservations, weight):
         fitted = []
         for staleness in range(1, observations.max_staleness + 1):
             scores, rank = observations.neighbour_arrays(weight, staleness)
