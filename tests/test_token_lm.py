@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spot_dlm import cli
-from spot_dlm.api import GenerateConfig, load_target, make_drafter
+from spot_dlm.api import GenerateConfig, default_drafter_dir, load_target, make_drafter
 from spot_dlm.bench.run import method_options
 from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
 from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens, StalePass, save_bigram, weighted_correction
@@ -157,14 +157,14 @@ def test_spot_drafter_prefers_the_folders_token_lm_unless_told(long_checkpoint, 
     copy_order_model(folder)
     lm = model_factory(vocab_size=target.vocab_size, seed=8, max_seq_len=1024)
     install_made_up_fit(folder, tiny_checkpoint(tmp_path / "lm", lm, long_checkpoint), window=32)
-    drafter = make_drafter(GenerateConfig(method="spot", drafter=str(folder)), target)
+    drafter = make_drafter(GenerateConfig(method="spot", drafter=str(folder), token_lm=True), target)
     assert isinstance(drafter.neighbours, TokenLM) and drafter.neighbours.window == 32
     assert drafter.neighbours.weight(0.0) == 0.5 and drafter.token_survival == SURVIVAL
-    plain = make_drafter(GenerateConfig(method="spot", drafter=str(folder), token_lm=False), target)
+    plain = make_drafter(GenerateConfig(method="spot", drafter=str(folder)), target)  # opt-in
     assert plain.neighbours is None  # no bigram in this folder
-    off = make_drafter(GenerateConfig(method="spot", drafter=str(folder), neighbour_tokens=False), target)
-    assert off.neighbours is None
-    sets = make_drafter(GenerateConfig(method="spot-sets", drafter=str(folder)), target)
+    config = GenerateConfig(method="spot", drafter=str(folder), neighbour_tokens=False, token_lm=True)
+    assert make_drafter(config, target).neighbours is None
+    sets = make_drafter(GenerateConfig(method="spot-sets", drafter=str(folder), token_lm=True), target)
     assert isinstance(sets.neighbours, TokenLM)
 
 
@@ -193,17 +193,17 @@ def test_token_lm_of_another_vocabulary_or_a_corrupt_fit_is_refused(long_checkpo
     other = model_factory(vocab_size=2048, seed=9)  # the shipped tokenizer's vocabulary, not the target's
     install_made_up_fit(folder, tiny_checkpoint(tmp_path / "lm", other, builtin_dir()))
     with pytest.raises(ValueError, match="vocabulary"):
-        make_drafter(GenerateConfig(method="spot", drafter=str(folder)), target)
+        make_drafter(GenerateConfig(method="spot", drafter=str(folder), token_lm=True), target)
     (folder / TOKEN_LM_FIT_FILE).write_text(json.dumps({"weight_greedy": 1.0}))
     with pytest.raises(ValueError, match="invalid token LM fit"):
         load_token_lm(folder, target)
 
 
-def test_bench_suffix_turns_the_token_lm_off() -> None:
-    assert method_options("spot-lm0") == ("spot", {"token_lm": False})
-    assert method_options("spot-nb1-lm0-np0") == (
+def test_bench_suffix_turns_the_token_lm_on() -> None:
+    assert method_options("spot-lm1") == ("spot", {"token_lm": True})
+    assert method_options("spot-nb1-lm1-np0") == (
         "spot",
-        {"neighbour_prior": False, "token_lm": False, "neighbour_tokens": True},
+        {"neighbour_prior": False, "token_lm": True, "neighbour_tokens": True},
     )
     assert method_options("spot-m50") == ("spot", {"min_path_prob": 0.5})
 
@@ -242,3 +242,22 @@ def test_cli_fit_token_lm_bad_input(capsys, long_checkpoint, model_factory, tmp_
     assert cli.main(args) != 0
     assert message in capsys.readouterr().err
     assert not (out / TOKEN_LM_DIR).exists()
+
+
+def test_the_shipped_drafter_carries_a_token_lm_for_the_builtin_target() -> None:
+    """The built-in drafter folder ships a small LM with its joint fit; SPOT uses it only when asked, and the tokens
+    it decodes with it are standard decoding's."""
+    from spot_dlm.api import generate
+
+    target, codec = load_target()
+    lm, survival = load_token_lm(default_drafter_dir(), target)
+    assert lm.bigram is not None and lm.window >= 1 and len(survival.greedy) > 0
+    assert lm.model.vocab_size == target.vocab_size
+    assert not isinstance(make_drafter(GenerateConfig(method="spot"), target).neighbours, TokenLM)
+    assert isinstance(make_drafter(GenerateConfig(method="spot", token_lm=True), target).neighbours, TokenLM)
+    prompts = ["Tom has 3 apples and buys 5 more. How many apples does he have?", "A box holds 12 pens. How many?"]
+    for temperature in (0.0, 1.0):
+        common = {"temperature": temperature, "gen_length": 64, "budget": 16}
+        spot = generate(prompts, GenerateConfig(method="spot", token_lm=True, **common), target, codec)
+        standard = generate(prompts, GenerateConfig(method="standard", **common), target, codec)
+        assert [g.token_ids for g in spot] == [g.token_ids for g in standard]

@@ -27,7 +27,8 @@ from spot_dlm.tree import DEFAULT_DEPTH
 def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
     """The token correction and its survival fit from a drafter folder, or None (turned off, or no fit there): the
     folder's small LM (``token_lm/``, see ``drafters/token_lm.py``) when ``token_lm`` and it has one, else its
-    bigram (``drafters/neighbours.py``).
+    bigram (``drafters/neighbours.py``). The LM is opt-in: it saves passes in deep trees, but on a CPU its passes
+    cost more time than they save (README, session 14).
 
     A folder given with ``drafter`` must fit the target (a table of another vocabulary is a ValueError); the shipped
     fit belongs to the built-in target, so for a target of another vocabulary it is left out with a warning."""
@@ -212,7 +213,7 @@ class GenerateConfig:
     token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
     neighbour_tokens: bool = True  # spot, spot-sets: re-rank drafted tokens by fresh neighbours (bigram fit), if any
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
-    token_lm: bool = True  # spot, spot-sets: re-rank by the drafter folder's small LM (token_lm/) over its bigram
+    token_lm: bool = False  # spot, spot-sets: re-rank by the drafter folder's small LM (token_lm/) and its bigram
     order_model: str = "auto"  # spot: paper (0.6M), small (the folder's small/), auto (small on a CPU if there is one)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)

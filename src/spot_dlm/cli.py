@@ -82,7 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
         token_survival=not args.no_token_survival,
         neighbour_tokens=not args.no_neighbour_tokens,
         neighbour_prior=not args.no_neighbour_prior,
-        token_lm=not args.no_token_lm,
+        token_lm=args.token_lm,
         order_model=args.order_model,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
@@ -498,9 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="spot, spot-sets: draft the plain stale guesses (ignore the bigram.safetensors neighbour fit)",
     )
     gen.add_argument(
-        "--no-token-lm",
+        "--token-lm",
         action="store_true",
-        help="spot, spot-sets: re-rank drafted tokens by the bigram even where the drafter folder has a token LM",
+        help="spot, spot-sets: re-rank drafted tokens by the drafter folder's small LM too (fewer passes in deep "
+        "trees; slower on a CPU)",
     )
     gen.add_argument(
         "--order-model",

@@ -179,8 +179,8 @@ def method_options(method: str) -> tuple[str, dict]:
     every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
     (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent);
     ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False); ``spot-nb0`` drafts the
-    plain stale tokens (neighbour_tokens=False); ``spot-lm0`` re-ranks them by the bigram even where the drafter
-    folder has a small token LM (token_lm=False); ``spot-np0`` keeps the stale confidence in the prior
+    plain stale tokens (neighbour_tokens=False); ``spot-lm1`` re-ranks them by the drafter folder's small token LM
+    too (token_lm=True); ``spot-np0`` keeps the stale confidence in the prior
     (neighbour_prior=False). ``spot-small`` / ``spot-paper`` pick the order model's size (order_model; default auto:
     see api). They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN, -lmN, -npN, -small:
     ``spot-p3-alt2-r2-m50-ts0-nb0-np0``."""
