@@ -199,12 +199,9 @@ def test_sets_trees_commit_each_members_corrected_token(temperature: float) -> N
     assert differ > 0
 
 
-def test_neighbour_observations_at_weight_zero_are_the_stale_ranks(make_target) -> None:
-    target = make_target()
-    rule = CommitRule("one", temperature=1.0)
-    settings = DecodeSettings(rule, block_length=8, gen_length=24, stop_at_eos=False)
-    table = BigramTable.from_stream(random_stream(target.vocab_size, 2000, 4), target.vocab_size)
-    corrector = NeighbourTokens(table, 1.0, 1.0)
+def observations_at_weight_zero_are_the_stale_ranks(target, corrector) -> SurvivalObservations:
+    """Standard decoding observed with a corrector: at weight 0 its corrected ranks are the stale ranks."""
+    settings = DecodeSettings(CommitRule("one", temperature=1.0), block_length=8, gen_length=24, stop_at_eos=False)
     observations = SurvivalObservations(temperature=1.0, mask_id=target.mask_id, max_staleness=2, corrector=corrector)
     for request in range(2):
         key = NoiseKey(0, request)
@@ -215,6 +212,13 @@ def test_neighbour_observations_at_weight_zero_are_the_stale_ranks(make_target) 
         corrected, corrected_rank = observations.neighbour_arrays(0.0, staleness)
         assert np.allclose(corrected, scores)
         assert np.array_equal(corrected_rank, np.minimum(rank, observations.ranks))
+    return observations
+
+
+def test_neighbour_observations_at_weight_zero_are_the_stale_ranks(make_target) -> None:
+    target = make_target()
+    table = BigramTable.from_stream(random_stream(target.vocab_size, 2000, 4), target.vocab_size)
+    observations = observations_at_weight_zero_are_the_stale_ranks(target, NeighbourTokens(table, 1.0, 1.0))
     assert np.any(np.stack(observations.correction) != 0)  # some commits had a fresh neighbour
 
 

@@ -13,15 +13,11 @@ import torch
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, load_target, make_drafter
 from spot_dlm.bench.run import method_options
-from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
 from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens, StalePass, save_bigram, weighted_correction
 from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE, TokenLM, load_token_lm, save_token_lm_fit
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
-from spot_dlm.noise import NoiseKey
-from spot_dlm.rules import CommitRule
-from spot_dlm.train.token_survival import SurvivalObservations
-from test_neighbours import SURVIVAL, copy_order_model
+from test_neighbours import SURVIVAL, copy_order_model, observations_at_weight_zero_are_the_stale_ranks
 
 torch.set_num_threads(1)
 L = 8
@@ -121,18 +117,7 @@ def test_a_round_without_its_prefix_is_a_clear_error(small_lm: TokenLM) -> None:
 
 
 def test_lm_observations_at_weight_zero_are_the_stale_ranks(make_target, small_lm: TokenLM) -> None:
-    target = make_target()
-    settings = DecodeSettings(CommitRule("one", temperature=1.0), block_length=8, gen_length=24, stop_at_eos=False)
-    observations = SurvivalObservations(temperature=1.0, mask_id=target.mask_id, max_staleness=2, corrector=small_lm)
-    for request in range(2):
-        key = NoiseKey(0, request)
-        prompt = torch.tensor([5 + request, 6, 7], dtype=torch.int64)
-        decode_ids(target, prompt, settings, NoDrafter(), key, observations.observer(key))
-    for staleness in (1, 2):
-        scores, rank = observations.arrays(staleness)
-        corrected, corrected_rank = observations.neighbour_arrays(0.0, staleness)
-        assert np.allclose(corrected, scores)
-        assert np.array_equal(corrected_rank, np.minimum(rank, observations.ranks))
+    observations = observations_at_weight_zero_are_the_stale_ranks(make_target(), small_lm)
     corrections = np.stack(observations.correction)
     assert np.isfinite(corrections).all() and np.abs(corrections).max() > 1e-3
 
