@@ -324,10 +324,10 @@ def _fit_token_survival(args: argparse.Namespace) -> int:
     target, codec = _load_model(args)
     prompts = collection_prompts(args.n_prompts, args.seed)
     shape = {"block_length": args.block_length, "gen_length": args.gen_length}
-    if args.token_lm is not None:
-        return _fit_token_lm(args, target, codec, prompts, shape, out)
     bigram = load_bigram(out, target.vocab_size)
     corrector = None if bigram is None else NeighbourTokens(bigram, 1.0, 1.0)  # weights fitted below
+    if args.token_lm is not None:  # fitted together with the bigram when the folder has one
+        return _fit_token_lm(args, target, codec, prompts, shape, out, corrector)
     greedy = observe(target, codec, prompts, 0.0, args.seed, corrector=corrector, **shape)
     sampled = observe(target, codec, prompts, args.temperature, args.seed, corrector=corrector, **shape)
     survival = fit_token_survival(greedy, sampled)
@@ -352,21 +352,16 @@ def _fit_correction(name: str, greedy, sampled):
     return weights, corrected
 
 
-def _fit_token_lm(args: argparse.Namespace, target, codec, prompts, shape, out: Path) -> int:
-    """Install a small LM into the drafter folder and fit its correction (the other fits stay as they are)."""
-    from spot_dlm.drafters.neighbours import NeighbourTokens, load_bigram
-    from spot_dlm.drafters.token_lm import TokenLM, install_token_lm, save_token_lm_fit
-    from spot_dlm.models.builtin import load_builtin_target
+def _fit_token_lm(args: argparse.Namespace, target, codec, prompts, shape, out: Path, bigram) -> int:
+    """Install a small LM into the drafter folder and fit its correction, with the folder's bigram (``bigram``:
+    its NeighbourTokens or None) as a second part; the other fits stay as they are."""
+    from spot_dlm.drafters.token_lm import TokenLM, install_token_lm, load_small_lm, save_token_lm_fit
     from spot_dlm.train.token_survival import observe
 
     source = Path(args.token_lm)
     if not (source / "config.json").is_file():
         raise ValueError(f"token LM checkpoint not found: {source} (a folder of the built-in architecture)")
-    small, _ = load_builtin_target(source, device=args.device)
-    if small.vocab_size != target.vocab_size or small.mask_id != target.mask_id:
-        raise ValueError(f"token LM {source} does not share the target's vocabulary and mask token")
-    bigram = load_bigram(out, target.vocab_size)  # fitted together with the LM when the folder has one
-    bigram = None if bigram is None else NeighbourTokens(bigram, 1.0, 1.0)
+    small = load_small_lm(source, target, args.device)
     lm = TokenLM(small, 1.0, 1.0, window=args.token_lm_window, bigram=bigram)  # weights fitted below
     greedy = observe(target, codec, prompts, 0.0, args.seed, corrector=lm, **shape)
     sampled = observe(target, codec, prompts, args.temperature, args.seed, corrector=lm, **shape)

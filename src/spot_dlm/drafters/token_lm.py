@@ -65,9 +65,9 @@ class TokenLM:
     ) -> np.ndarray:
         """[log q(v | parent) - log q(v | stale state), then the bigram's PMI if any] at each commit's position.
         parents int64 [C, L], positions [C], candidates int64 [C, R] -> float64 [K, C, R]"""
-        stale_state = stale.state.cpu().numpy()[None]  # [1, L]
         now = self.log_probs(stale, parents, positions, candidates)  # [C, R]
-        before = self.log_probs(stale, np.repeat(stale_state, len(positions), 0), positions, candidates)
+        (stale_table,) = self._tables(stale, stale.state.cpu().numpy()[None])  # [L, V]
+        before = np.take_along_axis(stale_table[positions], candidates, 1).astype(np.float64)  # [C, R]
         known = np.isfinite(now) & np.isfinite(before)  # the mask token (a candidate in tiny vocabularies): none
         lm = np.where(known, now - np.where(known, before, 0.0), 0.0)[None]
         if self.bigram is None:
@@ -77,8 +77,13 @@ class TokenLM:
     def log_probs(
         self, stale: StalePass, states: np.ndarray, positions: np.ndarray, candidates: np.ndarray
     ) -> np.ndarray:
-        """log q(candidates at position | state). states int64 [C, L] -> float64 [C, R]; each distinct state is
-        scored once per memo (one batched small-LM pass for those not seen yet)."""
+        """log q(candidates at position | state). states int64 [C, L] -> float64 [C, R]"""
+        stacked = np.stack([table[p] for table, p in zip(self._tables(stale, states), positions, strict=True)])
+        return np.take_along_axis(stacked, candidates, 1).astype(np.float64)  # [C, V] -> [C, R]
+
+    def _tables(self, stale: StalePass, states: np.ndarray) -> list[np.ndarray]:
+        """float32 [L, V] log-probabilities for each state (int64 [C, L]); each distinct state is scored once per
+        memo (one batched small-LM pass for those not seen yet)."""
         table = stale.memo.setdefault("token_lm", {})  # state bytes -> float32 [L, V] log-probabilities
         keys = [row.tobytes() for row in states]
         first = {}  # each state not seen yet -> its first row
@@ -88,8 +93,7 @@ class TokenLM:
         if first:
             scored = self._score(stale, states[list(first.values())])  # [B, L, V]
             table.update(zip(first, scored, strict=True))
-        stacked = np.stack([table[k][p] for k, p in zip(keys, positions, strict=True)])  # [C, V]
-        return np.take_along_axis(stacked, candidates, 1).astype(np.float64)
+        return [table[k] for k in keys]
 
     def _score(self, stale: StalePass, states: np.ndarray) -> np.ndarray:
         """One small-LM pass over B block states after the prefix window -> float32 [B, L, V] log-probabilities
@@ -133,11 +137,23 @@ def install_token_lm(source: Path, folder: Path) -> Path:
     return dest
 
 
+def load_small_lm(folder: Path, target, device: str | torch.device = "cpu"):
+    """A small LM checkpoint (built-in architecture) as a Target; ValueError when its vocabulary or mask token is
+    not the target's."""
+    from spot_dlm.models.builtin import load_builtin_target
+
+    model, _ = load_builtin_target(folder, device=device)
+    if model.vocab_size != target.vocab_size or model.mask_id != target.mask_id:
+        raise ValueError(
+            f"token LM {folder} has vocabulary {model.vocab_size} (mask {model.mask_id}); the target has "
+            f"{target.vocab_size} (mask {target.mask_id})"
+        )
+    return model
+
+
 def load_token_lm(folder: Path, target, device: str | torch.device = "cpu"):
     """``(TokenLM, TokenSurvival of the corrected guesses)`` from a drafter folder, or None when it has no token
     LM or no fit; ValueError when either is corrupt or the LM's vocabulary is not the target's."""
-    from spot_dlm.models.builtin import load_builtin_target
-
     folder = Path(folder)
     path = folder / TOKEN_LM_FIT_FILE
     if not path.is_file() or not (folder / TOKEN_LM_DIR).is_dir():
@@ -158,10 +174,5 @@ def load_token_lm(folder: Path, target, device: str | torch.device = "cpu"):
         if table is None:
             raise ValueError(f"token LM fit {path} adds the bigram's correction but {folder} has no bigram table")
         bigram = NeighbourTokens(table, *bigram_weights)
-    model, _ = load_builtin_target(folder / TOKEN_LM_DIR, device=device)
-    if model.vocab_size != target.vocab_size or model.mask_id != target.mask_id:
-        raise ValueError(
-            f"token LM {folder / TOKEN_LM_DIR} has vocabulary {model.vocab_size} (mask {model.mask_id}); the target "
-            f"has {target.vocab_size} (mask {target.mask_id})"
-        )
+    model = load_small_lm(folder / TOKEN_LM_DIR, target, device)
     return TokenLM(model, *weights, window=window, bigram=bigram), survival

@@ -171,7 +171,7 @@ def fit_neighbour_weight(
     (the bigram), a tuple over the grid's K-fold product for K parts."""
     if not observations.candidate_scores:
         raise ValueError("no correction observations: observe with a corrector")
-    n_parts = np.asarray(observations.correction[0]).reshape(-1, len(observations.candidate_scores[0])).shape[0]
+    n_parts = np.atleast_2d(observations.correction[0]).shape[0]  # [K, C] ([C]: one part)
     choices = grid if n_parts == 1 else list(itertools.product(grid, repeat=n_parts))  # in increasing order
     kept = [float(np.mean(observations.neighbour_arrays(w)[1] == 0)) for w in choices]
     return choices[int(np.argmax(kept))]
