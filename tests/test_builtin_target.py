@@ -7,12 +7,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from spot_dlm.decode import DecodeSettings, NoDrafter, StepRecord, decode_ids
+from spot_dlm.decode import DecodeSettings, DraftContext, NoDrafter, StepRecord, decode_ids
 from spot_dlm.models.base import ScoreResult, Target
 from spot_dlm.models.builtin import BuiltinTarget, PrefixCache
 from spot_dlm.models.transformer import BlockDiffusionLM
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
+from spot_dlm.tree import DraftTree
 
 ATOL = 1e-10
 MODES = [("batched", True), ("packed", True), ("batched", False), ("packed", False)]
@@ -272,6 +273,27 @@ def test_observer_sees_every_step(make_target: MakeTarget) -> None:
         changed = record.state != record.next_state
         assert changed.sum() == 1
         assert (record.state[changed] == 2).all()
+
+
+def test_drafters_read_the_prefix_and_one_memo_per_block(make_target: MakeTarget) -> None:
+    contexts: list[DraftContext] = []
+
+    class Recording(NoDrafter):
+        def propose(self, context: DraftContext) -> DraftTree:
+            contexts.append(context)
+            return super().propose(context)
+
+    prompt = random_ids(torch.Generator().manual_seed(12), 5)
+    settings = DecodeSettings(CommitRule(temperature=1.0), 4, 12, stop_at_eos=False)
+    raw = decode_ids(make_target(), prompt, settings, Recording(), NoiseKey(seed=3, request=0))
+    assert len(contexts) == 3 * 3  # the last commit of a block needs no draft
+    memos = [c.block_memo for c in contexts]
+    for block in range(3):
+        rounds = contexts[3 * block : 3 * block + 3]
+        assert {c.block_index for c in rounds} == {block}
+        assert all(memo is memos[3 * block] for memo in memos[3 * block : 3 * block + 3])
+        assert all(torch.equal(c.prefix, torch.cat([prompt, raw.token_ids[: 4 * block]])) for c in rounds)
+    assert memos[0] is not memos[3] and memos[3] is not memos[6]
 
 
 class EosTarget:

@@ -13,6 +13,7 @@ import torch
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, load_target, make_drafter
 from spot_dlm.bench.run import method_options
+from spot_dlm.drafters import token_lm
 from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens, StalePass, save_bigram, weighted_correction
 from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE, TokenLM, load_token_lm, save_token_lm_fit
 from spot_dlm.models.builtin import BuiltinTarget
@@ -67,6 +68,43 @@ def test_correction_is_the_change_of_belief_of_each_state_scored_alone(small_lm:
     assert np.abs(correction[:5]).max() > 1e-3
     assert len(stale.memo["token_lm"]) == 5  # 4 distinct parents + the stale state
     assert np.array_equal(small_lm.moved(stale, parents, positions), np.ones(6, dtype=bool))
+
+
+def test_stale_passes_sharing_a_block_memo_prefill_once_and_reuse_scored_states(small_lm: TokenLM) -> None:
+    model = small_lm.model
+    vocab, mask = model.vocab_size, model.mask_id
+    prefix = torch.randint(3, vocab, (10,), generator=torch.Generator().manual_seed(8))
+    parents, positions = random_states(vocab, mask, 4, 9), np.array([0, 2, 5, 7])
+    candidates = np.random.default_rng(10).integers(3, vocab, (4, 3))
+    memo: dict = {}
+    small_lm.parts(StalePass(torch.full((L,), mask), mask, prefix, memo=memo), parents, positions, candidates)
+    passes = model.counter.passes
+    next_round = StalePass(torch.from_numpy(parents[0]), mask, prefix, memo=memo)  # a node became the stale state
+    again = small_lm.parts(next_round, parents, positions, candidates)[0]
+    assert model.counter.passes == passes  # no prefill, nothing rescored
+    before = direct_log_probs(small_lm, prefix, parents[0])
+    for row in range(4):
+        now = direct_log_probs(small_lm, prefix, parents[row])
+        expected = now[positions[row], candidates[row]] - before[positions[row], candidates[row]]
+        assert np.allclose(again[row], expected, atol=1e-5)
+
+
+def test_a_bounded_memo_drops_the_least_recently_used_states_and_rescores_them_alike(small_lm, monkeypatch) -> None:
+    model = small_lm.model
+    vocab, mask = model.vocab_size, model.mask_id
+    monkeypatch.setattr(token_lm, "MEMO_BYTES", 3 * L * vocab * 4)  # three float32 [L, V] tables
+    prefix = torch.randint(3, vocab, (7,), generator=torch.Generator().manual_seed(11))
+    parents, others = random_states(vocab, mask, 5, 12), random_states(vocab, mask, 2, 14)
+    candidates = np.random.default_rng(13).integers(3, vocab, (5, 4))
+    stale = StalePass(torch.full((L,), mask), mask, prefix)
+    first = small_lm.parts(stale, parents, np.arange(5), candidates)
+    kept = stale.memo["token_lm"]
+    assert len(kept) == 6  # a call keeps every state it reads, however small the budget
+    small_lm.parts(stale, others, np.arange(2), candidates[:2])
+    assert list(kept) == [stale.state.numpy().tobytes(), others[0].tobytes(), others[1].tobytes()]
+    passes = model.counter.passes
+    assert np.allclose(small_lm.parts(stale, parents, np.arange(5), candidates), first)
+    assert model.counter.passes == passes + 1  # the dropped states, rescored in one batch
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

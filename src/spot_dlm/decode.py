@@ -46,6 +46,7 @@ class DraftContext:
     previous_logits: torch.Tensor | None = None  # [L, V]: Z of the state one commit before ``parent`` (None: none)
     proposal: Proposal | None = None  # the rule's proposal at ``parent`` for the free commit (None: not given)
     prefix: torch.Tensor | None = None  # int64 [P]: the clean text before the block, prompt and finished blocks
+    block_memo: dict | None = None  # the loop's memo for what a drafter computes once per block (None: per round)
 
     def gumbel(self, step_index: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Keyed noise of rule step ``step_index``, float64 [L, V] (shared: do not modify); with ``positions``
@@ -214,6 +215,7 @@ def decode_block(
     scored = target.score(cache, state[None], finished)
     cache, logits, step_index = scored.cache, scored.logits[0], 0
     block_noise = BlockNoise(key, block_index, length, logits.shape[-1], logits.device)
+    block_memo: dict = {}  # drafters' per-block results (a small LM's prefix cache and scored states)
     stepped = _apply_rule(state[None], logits[None], (0,), settings, block_noise, mask_id)
     next_state, proposal = stepped.tokens[0], _row(stepped.proposal, 0)
 
@@ -244,6 +246,7 @@ def decode_block(
             previous_logits,
             proposal,
             prefix,
+            block_memo,
         )
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick

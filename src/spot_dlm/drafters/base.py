@@ -211,9 +211,11 @@ class StaleGuesses:
 
     @functools.cached_property
     def _stale_pass(self) -> StalePass:
-        """The round's stale pass as the token correction reads it (its memo lives as long as this object)."""
+        """The round's stale pass as the token correction reads it (its memo: the loop's block memo when it keeps
+        one, else this round's)."""
         ctx = self.context
-        return StalePass(ctx.parent, ctx.mask_id, ctx.prefix, ctx.rule.temperature)
+        memo = {} if ctx.block_memo is None else ctx.block_memo
+        return StalePass(ctx.parent, ctx.mask_id, ctx.prefix, ctx.rule.temperature, memo)
 
     def _score_scale(self) -> float:
         """What one nat of the correction adds to a coupled score (``Z / T + gumbel``; ``Z`` at T = 0)."""

@@ -11,9 +11,10 @@ with ``y`` the coupled score (``Z / T + gumbel``, or ``Z`` at T = 0; T reads as 
 ``drafters/neighbours.py`` when the drafter folder has a bigram table (the two see different evidence: the LM the
 whole block and the text before it, the bigram 20M tokens of counts), and the weights fitted together on standard
 decoding of training prompts (``spot-dlm fit-token-survival --token-lm``). The small LM reads the last ``window``
-clean tokens before the block; it runs once per distinct node of a round (batched) and once on the stale state,
-never on the target's pass counter. As with the bigram, the guess stays a guess: acceptance is exact state
-equality, so nothing here can change an output token.
+clean tokens before the block (prefilled once per block: the decode loop's block memo keeps its cache); it scores
+each distinct node once per block (batched per call; the stale state is the node the previous round accepted,
+scored then), never on the target's pass counter. As with the bigram, the guess stays a guess: acceptance is exact
+state equality, so nothing here can change an output token.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from spot_dlm.drafters.token_survival import TokenSurvival
 TOKEN_LM_DIR = "token_lm"  # sub-folder of a drafter folder holding the small LM (built-in architecture)
 TOKEN_LM_FIT_FILE = "token_survival_lm.json"  # its fitted weights and the survival of the corrected guesses
 DEFAULT_WINDOW = 256
+MEMO_BYTES = 64 * 2**20  # scored states a memo keeps; the least recently used go first
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,9 @@ class TokenLM:
     ) -> np.ndarray:
         """[log q(v | parent) - log q(v | stale state), then the bigram's PMI if any] at each commit's position.
         parents int64 [C, L], positions [C], candidates int64 [C, R] -> float64 [K, C, R]"""
-        now = self.log_probs(stale, parents, positions, candidates)  # [C, R]
-        (stale_table,) = self._tables(stale, stale.state.cpu().numpy()[None])  # [L, V]
+        stale_table, *tables = self._tables(stale, np.concatenate([stale.state.cpu().numpy()[None], parents]))
+        now = np.stack([table[p] for table, p in zip(tables, positions, strict=True)])  # [C, V]
+        now = np.take_along_axis(now, candidates, 1).astype(np.float64)  # [C, R]
         before = np.take_along_axis(stale_table[positions], candidates, 1).astype(np.float64)  # [C, R]
         known = np.isfinite(now) & np.isfinite(before)  # the mask token (a candidate in tiny vocabularies): none
         lm = np.where(known, now - np.where(known, before, 0.0), 0.0)[None]
@@ -74,26 +77,26 @@ class TokenLM:
             return lm
         return np.concatenate([lm, self.bigram.parts(stale, parents, positions, candidates)])
 
-    def log_probs(
-        self, stale: StalePass, states: np.ndarray, positions: np.ndarray, candidates: np.ndarray
-    ) -> np.ndarray:
-        """log q(candidates at position | state). states int64 [C, L] -> float64 [C, R]"""
-        stacked = np.stack([table[p] for table, p in zip(self._tables(stale, states), positions, strict=True)])
-        return np.take_along_axis(stacked, candidates, 1).astype(np.float64)  # [C, V] -> [C, R]
-
     def _tables(self, stale: StalePass, states: np.ndarray) -> list[np.ndarray]:
-        """float32 [L, V] log-probabilities for each state (int64 [C, L]); each distinct state is scored once per
-        memo (one batched small-LM pass for those not seen yet)."""
-        table = stale.memo.setdefault("token_lm", {})  # state bytes -> float32 [L, V] log-probabilities
+        """float32 [L, V] log-probabilities for each state (int64 [C, L]); each distinct state is scored once while
+        the memo keeps it (one batched small-LM pass for those not kept; at most ``MEMO_BYTES`` kept, least recently
+        used dropped first: a block memo holds the accepted nodes that become the next rounds' stale states)."""
+        table = stale.memo.setdefault("token_lm", {})  # state bytes -> float32 [L, V], least recently used first
         keys = [row.tobytes() for row in states]
-        first = {}  # each state not seen yet -> its first row
+        first = {}  # each state not kept -> its first row
         for row, key in enumerate(keys):
-            if key not in table:
+            if key in table:
+                table[key] = table.pop(key)  # now the most recently used
+            else:
                 first.setdefault(key, row)
         if first:
             scored = self._score(stale, states[list(first.values())])  # [B, L, V]
             table.update(zip(first, scored, strict=True))
-        return [table[k] for k in keys]
+        found = [table[k] for k in keys]
+        keep = max(len(found), MEMO_BYTES // found[0].nbytes)
+        for key in list(table)[: max(len(table) - keep, 0)]:
+            del table[key]
+        return found
 
     def _score(self, stale: StalePass, states: np.ndarray) -> np.ndarray:
         """One small-LM pass over B block states after the prefix window -> float32 [B, L, V] log-probabilities
