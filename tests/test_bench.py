@@ -434,6 +434,8 @@ def test_method_options_parse_variant_suffixes() -> None:
     assert method_options("spot-small") == ("spot", {"order_model": "small"})
     assert method_options("spot-nb0-paper") == ("spot", {"neighbour_tokens": False, "order_model": "paper"})
     assert method_options("spot-smaller") == ("spot-smaller", {})
+    assert method_options("spot-ho0") == ("spot", {"handoffs": False})
+    assert method_options("spot-sets-lm1-ho0") == ("spot-sets", {"token_lm": True, "handoffs": False})
 
 
 def test_variants_of_sets_methods_are_compared_with_their_threshold_rule() -> None:

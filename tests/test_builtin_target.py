@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from spot_dlm.decode import DecodeSettings, DraftContext, NoDrafter, StepRecord, decode_ids
-from spot_dlm.models.base import ScoreResult, Target
+from spot_dlm.models.base import ScoreResult, Target, scores_handoffs
 from spot_dlm.models.builtin import BuiltinTarget, PrefixCache
 from spot_dlm.models.transformer import BlockDiffusionLM
 from spot_dlm.noise import NoiseKey
@@ -97,6 +97,32 @@ def test_finished_in_score_equals_separate_write(make_target: MakeTarget, scorin
     torch.testing.assert_close(together.logits, apart.logits, atol=ATOL, rtol=0)
     assert_caches_equal(together.cache, written)
     assert apart.cache is written  # scoring without a finished block leaves the cache as it is
+
+
+@pytest.mark.parametrize(("scoring", "use_cache"), MODES)
+@pytest.mark.parametrize("n_blocks", [1, 2, 3])
+def test_a_hand_off_is_the_next_blocks_first_pass(
+    make_target: MakeTarget, scoring: str, use_cache: bool, n_blocks: int
+) -> None:
+    generator = torch.Generator().manual_seed(13)
+    prompt = random_ids(generator, 5)
+    blocks = candidate_blocks(generator, 3, 4, mask_id=2)[:n_blocks]
+    complete = torch.stack([random_ids(generator, 4) for _ in range(2)])  # [M, L]
+    target = make_target(scoring, use_cache)
+    cache = target.prefill(prompt)
+    passes = target.counter.passes
+    scored = target.score_handoffs(cache, blocks, complete)
+    assert target.counter.passes == passes + 1
+    assert scores_handoffs(target)
+    torch.testing.assert_close(scored.logits, target.score(cache, blocks).logits, atol=ATOL, rtol=0)
+    all_mask = torch.full((1, 4), 2)
+    for m in range(2):
+        first = target.score(cache, all_mask, complete[m])  # the next block's first pass, written apart
+        torch.testing.assert_close(scored.next_logits[m], first.logits[0], atol=ATOL, rtol=0)
+        opened = scored.opening(m)
+        assert_caches_equal(opened, first.cache)
+        after = target.score(opened, blocks).logits  # the opened cache serves the next block's rounds
+        torch.testing.assert_close(after, target.score(first.cache, blocks).logits, atol=ATOL, rtol=0)
 
 
 def manual_reference_logits(model: BlockDiffusionLM, prefix: torch.Tensor, block: torch.Tensor) -> torch.Tensor:

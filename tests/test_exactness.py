@@ -266,7 +266,9 @@ def check_stats_consistent(raw: RawGeneration, block_length: int) -> None:
     assert raw.token_ids.shape[0] % block_length == 0
     assert stats.committed_tokens == raw.token_ids.shape[0]
     assert stats.rule_steps == accepted + n_blocks  # each block: one free commit after its last verify pass
-    assert stats.target_passes == 1 + n_blocks + n_verify  # prefill, each block's first pass, verify passes
+    assert 0 <= stats.handoff_blocks < max(n_blocks, 1)  # the first block never opens by a hand-off
+    # prefill, each block's first pass (none for a block a hand-off opened), verify passes
+    assert stats.target_passes == 1 + n_blocks - stats.handoff_blocks + n_verify
     assert not bool((raw.token_ids == MASK_ID).any())
     assert bool((raw.commit_step >= 0).all())
 
@@ -279,14 +281,21 @@ def block_steps(raw: RawGeneration, block_length: int) -> list[int]:
 
 def oracle_verify_lengths(n_steps: int, budget: int, depth: int) -> list[int]:
     """Accepted lengths (free commit included) of the oracle's verify passes on a block of ``n_steps`` rule steps:
-    each pass scores the true chain from the root (<= min(depth, budget - 1) more states, complete states never
-    drafted) and accepts all of it."""
+    each pass scores the true chain from the root (<= min(depth, budget - 1) more states, the complete state only
+    as a hand-off) and accepts all of it."""
     lengths, root = [], 1
     while root < n_steps:
         extra = min(depth, budget - 1, n_steps - 1 - root)
         lengths.append(extra + 1)
         root += extra + 1
     return lengths
+
+
+def oracle_hands_off(n_steps: int, budget: int, depth: int) -> bool:
+    """Whether the oracle's last verify pass of a block also holds the complete block as a hand-off: the chain's
+    last node is one step before it, and one more edge fits the depth and one more row the budget."""
+    lengths = oracle_verify_lengths(n_steps, budget, depth)
+    return bool(lengths) and lengths[-1] <= depth and lengths[-1] + 1 <= budget
 
 
 def assert_exact(case: Case, rule: CommitRule, scoring: str, drafter) -> tuple[RawGeneration, RawGeneration]:
@@ -305,6 +314,8 @@ def assert_exact(case: Case, rule: CommitRule, scoring: str, drafter) -> tuple[R
     if drafter.name == "oracle":
         lengths = [oracle_verify_lengths(n, case.budget, case.depth) for n in block_steps(ref, case.block_length)]
         assert out.stats.accepted_lengths == Counter(n for block in lengths for n in block), where
+        handing_off = [oracle_hands_off(n, case.budget, case.depth) for n in block_steps(ref, case.block_length)[:-1]]
+        assert out.stats.handoff_blocks == sum(handing_off), where
         if rule.kind == "one" and case.block_length >= 4 and case.budget >= 3 and case.depth >= 1:
             assert out.stats.target_passes < ref.stats.target_passes, where
     return ref, out

@@ -109,7 +109,7 @@ def test_merge_does_not_spend_budget_even_when_full() -> None:
     assert len(b.build()) == 2
 
 
-def test_complete_states_are_never_added() -> None:
+def test_complete_states_are_never_nodes() -> None:
     b = builder()
     chain = b.add(0, state(3, 1, 2, 4, MASK))
     assert b.add(chain, state(3, 1, 2, 4, 5)) is None
@@ -118,6 +118,24 @@ def test_complete_states_are_never_added() -> None:
     assert len(tree) == 2
     assert all(bool((s == MASK).any()) for s in tree.states)
     assert tree.lookup(state(3, 1, 2, 4, 5), tree.steps[chain] + 1) is None
+    assert tree.n_handoffs == 0 and tree.handoff(state(3, 1, 2, 4, 5)) is None  # no next block to hand off to
+
+
+def test_with_handoffs_complete_states_are_kept_once_and_spend_the_budget() -> None:
+    b = TreeBuilder(root=ROOT.clone(), root_step=1, mask_id=MASK, max_nodes=4, handoffs=True)
+    chain = b.add(0, state(3, 1, 2, 4, MASK))
+    done = state(3, 1, 2, 4, 5)
+    assert b.add(chain, done) is None  # a hand-off never parents a node
+    assert b.add(0, done, steps_taken=4) is None  # the same complete block by another order: merged
+    assert b.add(chain, state(3, 1, 2, 4, 6)) is None
+    assert b.full  # root, chain and two hand-offs: four rows
+    assert b.add(chain, state(3, 1, 2, 4, 7)) is None
+    tree = b.build()
+    assert len(tree) == 2 and tree.n_handoffs == 2
+    assert torch.equal(tree.handoffs, torch.stack([done, state(3, 1, 2, 4, 6)]))
+    assert tree.handoff(done) == 0 and tree.handoff(state(3, 1, 2, 4, 6)) == 1
+    assert tree.handoff(state(3, 1, 2, 4, 7)) is None
+    assert tree.lookup(done, tree.steps[chain] + 1) is None  # not a node: the walk ends before it
 
 
 @pytest.mark.parametrize("max_nodes", [1, 2, 3, 7])

@@ -214,6 +214,7 @@ class GenerateConfig:
     neighbour_tokens: bool = True  # spot, spot-sets: re-rank drafted tokens by fresh neighbours (bigram fit), if any
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
     token_lm: bool = False  # spot, spot-sets: re-rank by the drafter folder's small LM (token_lm/) and its bigram
+    handoffs: bool = True  # speculative methods: a round may also do the next block's first pass (targets that can)
     order_model: str = "auto"  # spot: paper (0.6M), small (the folder's small/), auto (small on a CPU if there is one)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
@@ -257,7 +258,7 @@ class GenerateConfig:
         )
 
     def settings(self) -> DecodeSettings:
-        return DecodeSettings(self.rule(), self.block_length, self.gen_length, self.stop_at_eos)
+        return DecodeSettings(self.rule(), self.block_length, self.gen_length, self.stop_at_eos, self.handoffs)
 
 
 @dataclass(frozen=True)

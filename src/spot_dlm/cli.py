@@ -83,6 +83,7 @@ def _generate(args: argparse.Namespace) -> int:
         neighbour_tokens=not args.no_neighbour_tokens,
         neighbour_prior=not args.no_neighbour_prior,
         token_lm=args.token_lm,
+        handoffs=not args.no_handoffs,
         order_model=args.order_model,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
@@ -497,6 +498,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="spot, spot-sets: re-rank drafted tokens by the drafter folder's small LM too (fewer passes in deep "
         "trees; slower on a CPU)",
+    )
+    gen.add_argument(
+        "--no-handoffs",
+        action="store_true",
+        help="speculative methods: never draft the next block's first pass (hand-offs; same tokens, more passes)",
     )
     gen.add_argument(
         "--order-model",

@@ -11,7 +11,10 @@ Per block the loop holds a state ``s`` and the target's logits ``Z(s)``:
 
 Nothing unverified is kept, so every drafter yields exactly the tokens of the drafter-free loop with the same rule
 and keyed noise. The last commit of a block needs no pass; the finished block is written into the prefix cache
-by the next block's first pass.
+by the next block's first pass. With a target that scores hand-offs, a round may also draft complete candidates
+of the block: the pass scores the next block's all-mask state after each, and when the walk ends on one, that is
+the next block's first pass (its logits and the cache with the block written), so the next block opens without
+a pass of its own.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from spot_dlm.models.base import Target
+from spot_dlm.models.base import Target, scores_handoffs
 from spot_dlm.noise import BlockNoise, NoiseKey
 from spot_dlm.rules import CommitRule, Proposal, StepResult, step
 from spot_dlm.tree import DraftTree, root_only
@@ -47,6 +50,7 @@ class DraftContext:
     proposal: Proposal | None = None  # the rule's proposal at ``parent`` for the free commit (None: not given)
     prefix: torch.Tensor | None = None  # int64 [P]: the clean text before the block, prompt and finished blocks
     block_memo: dict | None = None  # the loop's memo for what a drafter computes once per block (None: per round)
+    handoffs: bool = False  # a next block follows and the target scores hand-offs: complete candidates may be drafted
 
     def gumbel(self, step_index: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Keyed noise of rule step ``step_index``, float64 [L, V] (shared: do not modify); with ``positions``
@@ -97,6 +101,7 @@ class DecodeStats:
     rule_steps: int = 0  # rule applications (commits, for one-commit decoding)
     committed_tokens: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)  # per verify pass: free commit + accepted nodes
+    handoff_blocks: int = 0  # blocks opened by a hand-off (their first pass done in the previous block's round)
 
     def merge(self, other: DecodeStats) -> None:
         self.target_passes += other.target_passes
@@ -106,6 +111,7 @@ class DecodeStats:
         self.rule_steps += other.rule_steps
         self.committed_tokens += other.committed_tokens
         self.accepted_lengths.update(other.accepted_lengths)
+        self.handoff_blocks += other.handoff_blocks
 
     @property
     def mean_accepted(self) -> float:
@@ -124,6 +130,7 @@ class DecodeStats:
             "commits_per_pass": self.committed_tokens / self.target_passes if self.target_passes else 0.0,
             "draft_time_share": self.draft_seconds / self.wall_seconds if self.wall_seconds else 0.0,
             "accepted_lengths": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
+            "handoff_blocks": self.handoff_blocks,
         }
 
 
@@ -133,6 +140,15 @@ class DecodeSettings:
     block_length: int
     gen_length: int
     stop_at_eos: bool = True
+    handoffs: bool = True  # draft the next block's first pass where the target can score it (no effect on tokens)
+
+
+@dataclass(frozen=True)
+class BlockOpening:
+    """A block's first pass, done by the previous block's last round (a hand-off)."""
+
+    logits: torch.Tensor  # [L, V]: the target's logits at the all-mask block
+    cache: object  # the prefix cache with the previous block written
 
 
 @dataclass(frozen=True)
@@ -191,6 +207,23 @@ def _accept(tree: DraftTree, next_states: torch.Tensor) -> list[int]:
     return path
 
 
+def _verify(target: Target, cache, tree: DraftTree):
+    """One target pass over the tree's nodes (and its hand-offs, if any). -> (logits [N, L, V], HandoffScore or
+    None)"""
+    if not tree.n_handoffs:
+        return target.score(cache, tree.states).logits, None
+    scored = target.score_handoffs(cache, tree.states, tree.handoffs)
+    return scored.logits, scored
+
+
+def _opening(tree: DraftTree, scored, next_state: torch.Tensor, mask_id: int) -> BlockOpening | None:
+    """The next block's first pass when the round's true next state completes the block and was handed off."""
+    if scored is None or bool((next_state == mask_id).any()):
+        return None
+    handoff = tree.handoff(next_state)
+    return None if handoff is None else BlockOpening(scored.next_logits[handoff], scored.opening(handoff))
+
+
 def decode_block(
     target: Target,
     cache,
@@ -203,17 +236,26 @@ def decode_block(
     first_pass: int,
     observer: Observer | None = None,
     prefix: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, object, _BlockTrace]:
-    """Decode one block from all-mask to complete; returns (block [L], cache, trace). ``prefix`` (int64 [P]: the
-    prompt and the finished blocks) is handed to drafters that read the text before the block."""
+    opening: BlockOpening | None = None,
+    handoffs: bool = False,
+) -> tuple[torch.Tensor, object, _BlockTrace, BlockOpening | None]:
+    """Decode one block from all-mask to complete; returns (block [L], cache, trace, the next block's opening if
+    the last round handed it off). ``prefix`` (int64 [P]: the prompt and the finished blocks) is handed to drafters
+    that read the text before the block; ``opening`` replaces this block's first pass (``finished`` is then in its
+    cache already); ``handoffs``: drafters may hand off to the next block."""
     mask_id, length = target.mask_id, settings.block_length
     device = getattr(target, "device", torch.device("cpu"))
     state = torch.full((length,), mask_id, dtype=torch.int64, device=device)
     trace = _BlockTrace(
         step=torch.full((length,), -1, device=device), pass_no=torch.full((length,), -1, device=device)
     )
-    scored = target.score(cache, state[None], finished)
-    cache, logits, step_index = scored.cache, scored.logits[0], 0
+    if opening is None:
+        scored = target.score(cache, state[None], finished)
+        cache, logits = scored.cache, scored.logits[0]
+    else:
+        cache, logits = opening.cache, opening.logits
+        stats.handoff_blocks += 1
+    step_index, opening = 0, None
     block_noise = BlockNoise(key, block_index, length, logits.shape[-1], logits.device)
     block_memo: dict = {}  # drafters' per-block results (a small LM's prefix cache and scored states)
     stepped = _apply_rule(state[None], logits[None], (0,), settings, block_noise, mask_id)
@@ -230,7 +272,7 @@ def decode_block(
             observer(StepRecord(block_index, step_index, state, logits, next_state, prefix))
         parent, state, step_index = state, next_state, step_index + 1
         if not bool((state == mask_id).any()):
-            return state, cache, trace
+            return state, cache, trace, opening
         block_noise.forget_before(step_index)
         tick = time.perf_counter()
         context = DraftContext(
@@ -247,10 +289,11 @@ def decode_block(
             proposal,
             prefix,
             block_memo,
+            handoffs,
         )
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick
-        node_logits = target.score(cache, tree.states).logits  # [N, L, V]
+        node_logits, scored = _verify(target, cache, tree)  # [N, L, V]
         stepped = _apply_rule(tree.states, node_logits, tree.steps, settings, block_noise, mask_id)
         next_states = stepped.tokens
         path = _accept(tree, next_states)
@@ -270,6 +313,7 @@ def decode_block(
             next_states[node],
         )
         proposal = _row(stepped.proposal, node)
+        opening = _opening(tree, scored, next_state, mask_id)
 
 
 def decode_ids(
@@ -286,11 +330,26 @@ def decode_ids(
     stats = DecodeStats()
     cache = target.prefill(prompt_ids)
     blocks, steps, pass_nos = [], [], []
-    finished = None
-    for block_index in range(settings.gen_length // settings.block_length):
+    finished, opening = None, None
+    n_blocks = settings.gen_length // settings.block_length
+    can_hand_off = settings.handoffs and scores_handoffs(target)
+    for block_index in range(n_blocks):
         prefix = torch.cat([prompt_ids, *(block.to(prompt_ids.device) for block in blocks)])  # [P]
-        finished, cache, trace = decode_block(
-            target, cache, finished, block_index, settings, key, drafter, stats, start_passes, observer, prefix
+        hand_off = can_hand_off and block_index + 1 < n_blocks
+        finished, cache, trace, opening = decode_block(
+            target,
+            cache,
+            finished,
+            block_index,
+            settings,
+            key,
+            drafter,
+            stats,
+            start_passes,
+            observer,
+            prefix,
+            opening,
+            hand_off,
         )
         blocks.append(finished)
         steps.append(trace.step)

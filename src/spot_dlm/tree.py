@@ -4,6 +4,11 @@ A node is a whole block state plus the index of the commit-rule step that would 
 that step depends on it). Parents are the single source of truth; depths and paths are derived. Identical states
 are merged: the acceptance walk looks up the target's true next state among *all* nodes, so a state reached by
 two commit orders is drafted (and scored) once.
+
+A complete state (nothing left masked) needs no scoring: its last commit is free. When the target scores
+hand-offs and a next block follows, a complete candidate is drafted as a *hand-off* instead: the pass scores the
+next block's all-mask state after it, and if the walk's true next state is that complete state, the next block's
+first pass is already done.
 """
 
 from __future__ import annotations
@@ -35,14 +40,22 @@ class TreeBuilder:
     root: torch.Tensor  # int64 [L]
     root_step: int
     mask_id: int
-    max_nodes: int
+    max_nodes: int  # nodes and hand-offs: rows of the verification pass
+    handoffs: bool = False  # draft complete candidates as hand-offs (else leave them out)
     states: list[torch.Tensor] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
     index: dict[tuple[int, bytes], int] = field(default_factory=dict)
+    handoff_states: list[torch.Tensor] = field(default_factory=list)
+    handoff_index: dict[bytes, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._append(self.root, -1, self.root_step, state_key(self.root, self.root_step))
+
+    @classmethod
+    def rooted(cls, context, max_nodes: int) -> TreeBuilder:
+        """A builder at a drafter's context (``decode.DraftContext``: its root, root step, mask and hand-offs)."""
+        return cls(context.root, context.root_step, context.mask_id, max_nodes, context.handoffs)
 
     def _append(self, state: torch.Tensor, parent: int, step_index: int, key: tuple[int, bytes]) -> int:
         self.index[key] = len(self.states)
@@ -53,13 +66,14 @@ class TreeBuilder:
 
     @property
     def full(self) -> bool:
-        return len(self.states) >= self.max_nodes
+        return len(self.states) + len(self.handoff_states) >= self.max_nodes
 
     def add(self, parent: int, state: torch.Tensor, steps_taken: int = 1) -> int | None:
         """Add ``state`` as a child of ``parent`` reached by ``steps_taken`` rule steps.
 
         Returns the node index (existing one when merged), or None when the state is complete (its last commit
-        is always free, so it never needs scoring) or the budget is spent.
+        is always free, so it never needs scoring; with ``handoffs`` it is kept as a hand-off) or the budget is
+        spent.
         """
         return self.add_known(parent, state, state_bytes(state), not bool((state == self.mask_id).any()), steps_taken)
 
@@ -71,15 +85,21 @@ class TreeBuilder:
         key = (step_index, tokens)
         if key in self.index:
             return self.index[key]
-        if complete or self.full:
+        if self.full:
+            return None
+        if complete:
+            if self.handoffs and tokens not in self.handoff_index:
+                self.handoff_index[tokens] = len(self.handoff_states)
+                self.handoff_states.append(state)
             return None
         return self._append(state, parent, step_index, key)
 
     def build(self, device: torch.device | None = None) -> DraftTree:
         """The tree, its states stacked on ``device`` (default: where they are)."""
         states = torch.stack(self.states)  # [N, L]
-        states = states if device is None else states.to(device)
-        return DraftTree(states=states, parents=tuple(self.parents), steps=tuple(self.steps), index=self.index)
+        handoffs = torch.stack(self.handoff_states) if self.handoff_states else states.new_zeros(0, states.shape[1])
+        states, handoffs = (x if device is None else x.to(device) for x in (states, handoffs))
+        return DraftTree(states, tuple(self.parents), tuple(self.steps), self.index, handoffs, self.handoff_index)
 
 
 @dataclass(frozen=True)
@@ -88,12 +108,22 @@ class DraftTree:
     parents: tuple[int, ...]  # parents[0] == -1
     steps: tuple[int, ...]  # rule-step index applied to each node's state
     index: dict[tuple[int, bytes], int]
+    handoffs: torch.Tensor | None = None  # int64 [M, L]: complete candidates whose next block is scored too
+    handoff_index: dict[bytes, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.parents)
 
     def lookup(self, state: torch.Tensor, step_index: int) -> int | None:
         return self.index.get(state_key(state, step_index))
+
+    def handoff(self, state: torch.Tensor) -> int | None:
+        """The hand-off holding this complete state, if any."""
+        return self.handoff_index.get(state_bytes(state)) if self.handoff_index else None
+
+    @property
+    def n_handoffs(self) -> int:
+        return 0 if self.handoffs is None else int(self.handoffs.shape[0])
 
     def depths(self) -> list[int]:
         depth = [0] * len(self)

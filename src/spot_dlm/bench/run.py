@@ -150,6 +150,7 @@ def summarise(gens: list[Generation], items: list[dict], reference: list[Generat
         "tokens_per_pass": sum(g.stats["committed_tokens"] for g in gens) / passes,
         "mean_accepted": sum(int(k) * v for k, v in hist.items()) / verify if verify else 0.0,
         "accepted_lengths": hist,
+        "handoff_blocks": sum(g.stats["handoff_blocks"] for g in gens),
         "passes_per_prompt": [g.stats["target_passes"] for g in gens],
         "longest_repeat_per_prompt": [longest_repeat(g.token_ids) for g in gens],
         "accuracy": sum(scored) / len(scored) if scored else None,
@@ -181,14 +182,15 @@ def method_options(method: str) -> tuple[str, dict]:
     ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False); ``spot-nb0`` drafts the
     plain stale tokens (neighbour_tokens=False); ``spot-lm1`` re-ranks them by the drafter folder's small token LM
     too (token_lm=True); ``spot-np0`` keeps the stale confidence in the prior
-    (neighbour_prior=False). ``spot-small`` / ``spot-paper`` pick the order model's size (order_model; default auto:
-    see api). They combine in the order -pN, -altN, -rN, -mN, -tsN, -nbN, -lmN, -npN, -small:
-    ``spot-p3-alt2-r2-m50-ts0-nb0-np0``."""
+    (neighbour_prior=False); ``spot-ho0`` drafts no hand-offs to the next block (handoffs=False). ``spot-small`` /
+    ``spot-paper`` pick the order model's size (order_model; default auto: see api). They combine in the order -pN,
+    -altN, -rN, -mN, -tsN, -nbN, -lmN, -npN, -hoN, -small: ``spot-p3-alt2-r2-m50-ts0-nb0-np0-ho0``."""
     base, options = method, {}
     for size in ("small", "paper"):
         if base.endswith(f"-{size}"):
             base, options["order_model"] = base[: -len(size) - 1], size
     suffixes = (
+        ("-ho", "handoffs"),
         ("-np", "neighbour_prior"),
         ("-lm", "token_lm"),
         ("-nb", "neighbour_tokens"),
@@ -206,7 +208,7 @@ def method_options(method: str) -> tuple[str, dict]:
 
 
 def _option_value(key: str, value: int):
-    if key in ("token_survival", "neighbour_tokens", "neighbour_prior", "token_lm"):
+    if key in ("token_survival", "neighbour_tokens", "neighbour_prior", "token_lm", "handoffs"):
         return bool(value)
     return value / 100 if key == "min_path_prob" else value
 

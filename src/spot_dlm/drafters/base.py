@@ -495,7 +495,7 @@ def _assemble(context: DraftContext, grown: _Levels, budget: int, root: torch.Te
     logprob, parent = np.concatenate(grown.logprob), np.concatenate(grown.parent)  # [N], by depth then age
     complete = np.concatenate(grown.complete).tolist()  # [N]
     starts = np.cumsum([0] + [len(lp) for lp in grown.logprob]).tolist()  # first candidate index of each level
-    builder = TreeBuilder(root=root, root_step=context.root_step, mask_id=context.mask_id, max_nodes=budget)
+    builder = TreeBuilder(root, context.root_step, context.mask_id, budget, context.handoffs)
     node_of = {0: 0}
     for index in _best_first(logprob[1:], 4 * budget):
         if builder.full:

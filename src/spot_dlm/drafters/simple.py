@@ -106,7 +106,7 @@ class OracleDrafter:
             self._states[key] = true_states(reference, context.block_index, self.block_length, context.mask_id)
         states = [state.to(context.root.device) for state in self._states[key]]
         guesses = StaleGuesses(context, self.neighbours) if self.stale_tokens else None
-        builder = TreeBuilder(context.root, context.root_step, context.mask_id, self.budget)
+        builder = TreeBuilder.rooted(context, self.budget)
         node, state = 0, context.root
         for offset in range(1, self.depth + 1):
             index = context.root_step + offset
@@ -144,7 +144,7 @@ def grow_rank_tree(context: DraftContext, rank_paths: list[tuple[int, ...]], bud
     """A static tree given as stale-confidence rank paths, e.g. (0,), (1,), (0, 0): the k-th most confident
     still-masked position, under the coupled guesses of each node's step. Paths are used in the given order."""
     guesses = StaleGuesses(context)
-    builder = TreeBuilder(context.root, context.root_step, context.mask_id, budget)
+    builder = TreeBuilder.rooted(context, budget)
     nodes: dict[tuple[int, ...], int | None] = {(): 0}
     for path in rank_paths:
         parent = nodes.get(path[:-1])

@@ -2,12 +2,15 @@
 
 A target is used block by block: ``prefill`` the prompt into a prefix cache; ``score`` K candidate states of the
 current block in one forward pass that shares the prefix (optionally writing the previous, finished block into the
-cache in that same pass); ``write`` a finished block without scoring anything. Every call is one pass, counted with
-the query tokens it processed.
+cache in that same pass); ``write`` a finished block without scoring anything. A target may also
+``score_handoffs``: candidate states and complete candidates of the block, each scored as the finished block before
+the all-mask next block, in one pass (``scores_handoffs``). Every call is one pass, counted with the query tokens
+it processed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +38,16 @@ class ScoreResult:
     cache: Any  # the prefix cache, extended by the finished block when one was passed
 
 
+@dataclass(frozen=True)
+class HandoffScore:
+    """One pass over a round's candidate states and its hand-offs: complete candidates of the block, each scored as
+    the finished block before the all-mask next block (what that block's first pass would compute)."""
+
+    logits: torch.Tensor  # [K, L, V]: the target's output at each candidate state
+    next_logits: torch.Tensor  # [M, L, V]: at the all-mask next block after each complete candidate
+    opening: Callable[[int], Any]  # m -> the prefix cache with complete candidate m written (no pass)
+
+
 @runtime_checkable
 class Target(Protocol):
     name: str
@@ -52,3 +65,9 @@ class Target(Protocol):
 
     def write(self, cache: Any, finished: torch.Tensor) -> Any:
         """Append a finished block (int64 [L]) to the prefix cache in its own pass."""
+
+
+def scores_handoffs(target: Target) -> bool:
+    """Whether a target can score hand-offs (``score_handoffs(cache, blocks [K, L], handoffs [M, L]) ->
+    HandoffScore``, one pass): then a round may also draft the next block's first pass."""
+    return callable(getattr(target, "score_handoffs", None))

@@ -7,7 +7,9 @@ decoded, or one candidate state of it). Visibility of key k from query q:
 - clean k from clean q: ``pos[k] <= pos[q]`` (causal);
 - clean k from noisy q: ``pos[k] < block_start[q]`` (everything before the block);
 - noisy k from noisy q: same group (bidirectional inside the block or candidate);
-- noisy k from clean q: never.
+- noisy k from clean q: never;
+- and, on top of these, a token of one *branch* never sees another branch's tokens (a hand-off row: a complete
+  candidate of the block, clean, then the next block after it; ``SHARED`` tokens are seen from every branch).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 CLEAN = -1  # group id of clean tokens
+SHARED = -1  # branch id of tokens every branch sees
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class Layout:
     positions: torch.Tensor
     groups: torch.Tensor  # CLEAN for clean tokens, else the noisy group id
     block_starts: torch.Tensor  # first position of the token's block (clean tokens: unused)
+    branches: torch.Tensor  # SHARED, or the branch id of tokens only their own branch sees
 
     def __len__(self) -> int:
         return self.positions.shape[0]
@@ -36,18 +40,29 @@ def concat(*layouts: Layout) -> Layout:
         positions=torch.cat([lay.positions for lay in layouts]),
         groups=torch.cat([lay.groups for lay in layouts]),
         block_starts=torch.cat([lay.block_starts for lay in layouts]),
+        branches=torch.cat([lay.branches for lay in layouts]),
     )
 
 
-def clean_layout(start: int, length: int, device: torch.device | None = None) -> Layout:
-    positions = torch.arange(start, start + length, device=device)
-    return Layout(positions=positions, groups=torch.full_like(positions, CLEAN), block_starts=positions.clone())
-
-
-def block_layout(start: int, length: int, group: int, device: torch.device | None = None) -> Layout:
+def clean_layout(start: int, length: int, device: torch.device | None = None, branch: int = SHARED) -> Layout:
     positions = torch.arange(start, start + length, device=device)
     return Layout(
-        positions=positions, groups=torch.full_like(positions, group), block_starts=torch.full_like(positions, start)
+        positions=positions,
+        groups=torch.full_like(positions, CLEAN),
+        block_starts=positions.clone(),
+        branches=torch.full_like(positions, branch),
+    )
+
+
+def block_layout(
+    start: int, length: int, group: int, device: torch.device | None = None, branch: int = SHARED
+) -> Layout:
+    positions = torch.arange(start, start + length, device=device)
+    return Layout(
+        positions=positions,
+        groups=torch.full_like(positions, group),
+        block_starts=torch.full_like(positions, start),
+        branches=torch.full_like(positions, branch),
     )
 
 
@@ -60,7 +75,8 @@ def visibility(query: Layout, key: Layout) -> torch.Tensor:
     same_group = key.groups[None, :] == query.groups[:, None]
     clean_key = torch.where(q_clean, causal, before_block)
     noisy_key = ~q_clean & same_group
-    return torch.where(k_clean, clean_key, noisy_key)
+    same_branch = (key.branches[None, :] == SHARED) | (key.branches[None, :] == query.branches[:, None])
+    return torch.where(k_clean, clean_key, noisy_key) & same_branch
 
 
 def attention_mask(layout: Layout, n_past: int) -> torch.Tensor:
