@@ -41,6 +41,7 @@ def test_spot_equals_standard_on_builtin_target(builtin, prompts, temperature, o
     spot_passes = sum(g.target_passes for g in spot)
     standard_passes = sum(g.target_passes for g in standard)
     assert spot_passes < standard_passes  # the shipped drafter accepts something on a trained target
+    assert sum(g.stats["handoff_blocks"] for g in spot) > 0  # and some second blocks open by a hand-off
 
 
 def test_spot_sets_equals_threshold_on_builtin_target(builtin, prompts):

@@ -242,23 +242,24 @@ def test_decoding_identical_across_cache_and_scoring_modes(
 @pytest.mark.parametrize("block_length", [1, 2, 4])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_standard_decoding_pass_count(make_target: MakeTarget, block_length: int, temperature: float) -> None:
-    """1 prefill + per block (1 pass on the all-mask state + L - 1 passes; the last commit is free) = 1 + G."""
+    """Per block 1 pass on the all-mask state (the first one prefills the prompt too) + L - 1 passes (the last commit
+    is free) = G."""
     gen_length, prompt_length = 8, 5
     target = make_target()
     prompt = random_ids(torch.Generator().manual_seed(7), prompt_length)
     raw = decode(target, prompt, temperature, block_length, gen_length, seed=3)
     stats = raw.stats
-    assert stats.target_passes == 1 + gen_length
+    assert stats.target_passes == gen_length
     assert target.counter.passes == stats.target_passes
     assert stats.rule_steps == gen_length
     assert stats.committed_tokens == gen_length
     n_blocks, length = gen_length // block_length, block_length
-    # prefill P; block b: first pass (finished block of L when b > 0) + L, then L - 1 passes of L
+    # block b: first pass (the prompt P when b = 0, else the finished block of L) + L, then L - 1 passes of L
     assert stats.query_tokens == prompt_length + n_blocks * length * length + (n_blocks - 1) * length
-    # every position is committed once, at steps 0..L-1 of its block, after 2 + b L + step passes
+    # every position is committed once, at steps 0..L-1 of its block, after 1 + b L + step passes
     steps = raw.commit_step.view(n_blocks, length)
     assert all(sorted(row.tolist()) == list(range(length)) for row in steps)
-    expected_pass = 2 + torch.arange(n_blocks)[:, None] * length + steps
+    expected_pass = 1 + torch.arange(n_blocks)[:, None] * length + steps
     assert torch.equal(raw.commit_pass.view(n_blocks, length), expected_pass)
 
 
@@ -267,19 +268,19 @@ def test_uncached_decoding_counts_recomputed_prefix(make_target: MakeTarget) -> 
     target = make_target("batched", use_cache=False)
     raw = decode(target, random_ids(torch.Generator().manual_seed(8), prompt_length), 1.0, block_length, gen_length, 0)
     n_blocks = gen_length // block_length
-    expected = prompt_length + sum(block_length * (prompt_length + (b + 1) * block_length) for b in range(n_blocks))
-    assert raw.stats.target_passes == 1 + gen_length
+    expected = sum(block_length * (prompt_length + (b + 1) * block_length) for b in range(n_blocks))
+    assert raw.stats.target_passes == gen_length
     assert raw.stats.query_tokens == expected
 
 
-def test_threshold_decoding_passes_equal_rule_steps_plus_prefill(make_target: MakeTarget) -> None:
+def test_threshold_decoding_passes_equal_rule_steps(make_target: MakeTarget) -> None:
     prompt = random_ids(torch.Generator().manual_seed(9), 5)
     rule_steps = {}
     for tau in (0.01, 0.05, 0.5):
         target = make_target()
         rule = CommitRule(kind="threshold", tau=tau, temperature=1.0)
         raw = decode(target, prompt, 1.0, 4, 16, seed=1, rule=rule)
-        assert raw.stats.target_passes == 1 + raw.stats.rule_steps
+        assert raw.stats.target_passes == raw.stats.rule_steps  # the first pass prefills the prompt too
         assert raw.stats.committed_tokens == 16
         assert raw.token_ids.shape == (16,)
         assert 2 not in raw.token_ids.tolist()
@@ -349,7 +350,7 @@ def test_decoding_stops_after_block_with_eos(make_target: MakeTarget) -> None:
     raw = decode(target, prompt, 1.0, 4, 16, seed=0, stop_at_eos=True)
     assert raw.token_ids.shape == (4,)
     assert raw.token_ids[1].item() == target.eos_id
-    assert raw.stats.target_passes == 1 + 4
+    assert raw.stats.target_passes == 4
     full = decode(EosTarget(make_target()), prompt, 1.0, 4, 16, seed=0, stop_at_eos=False)
     assert full.token_ids.shape == (16,)
     assert torch.equal(full.token_ids[:4], raw.token_ids)

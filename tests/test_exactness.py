@@ -267,8 +267,8 @@ def check_stats_consistent(raw: RawGeneration, block_length: int) -> None:
     assert stats.committed_tokens == raw.token_ids.shape[0]
     assert stats.rule_steps == accepted + n_blocks  # each block: one free commit after its last verify pass
     assert 0 <= stats.handoff_blocks < max(n_blocks, 1)  # the first block never opens by a hand-off
-    # prefill, each block's first pass (none for a block a hand-off opened), verify passes
-    assert stats.target_passes == 1 + n_blocks - stats.handoff_blocks + n_verify
+    # each block's first pass (the first one prefills the prompt; none for a block a hand-off opened), verify passes
+    assert stats.target_passes == n_blocks - stats.handoff_blocks + n_verify
     assert not bool((raw.token_ids == MASK_ID).any())
     assert bool((raw.commit_step >= 0).all())
 

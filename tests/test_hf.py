@@ -114,7 +114,7 @@ def test_candidates_in_one_pass_do_not_see_each_other() -> None:
 def test_speculative_equals_standard_on_a_transformers_target(arch: str, shifted: bool, temperature: float) -> None:
     target = HFTarget(stand_in(arch, seed=3), MASK_ID, EOS_ID, shifted_logits=shifted)
     settings = DecodeSettings(CommitRule(temperature=temperature), block_length=6, gen_length=18, stop_at_eos=False)
-    accepted_deep = 0
+    accepted_deep = handed_off = 0
     for seed in range(3):
         prompt = torch.randint(3, VOCAB, (4 + seed,), generator=torch.Generator().manual_seed(seed))
         key = NoiseKey(seed, request=seed)
@@ -125,7 +125,33 @@ def test_speculative_equals_standard_on_a_transformers_target(arch: str, shifted
             assert raw.commit_step.tolist() == reference.commit_step.tolist()
             assert raw.stats.target_passes <= reference.stats.target_passes
             accepted_deep += sum(n for length, n in raw.stats.accepted_lengths.items() if length > 1)
+            handed_off += raw.stats.handoff_blocks
     assert accepted_deep > 0  # some drafts were accepted: the equality above was not only ever the root
+    assert handed_off > 0  # and some blocks opened by a hand-off
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("shifted", [False, True])
+def test_a_hand_off_is_the_next_blocks_first_pass_on_a_transformers_target(arch: str, shifted: bool) -> None:
+    target = HFTarget(stand_in(arch, seed=4), MASK_ID, EOS_ID, shifted_logits=shifted)
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, VOCAB, (6,), generator=generator)
+    blocks = torch.randint(3, VOCAB, (3, 4), generator=generator)
+    blocks[:, ::2] = MASK_ID
+    complete = torch.randint(3, VOCAB, (2, 4), generator=generator)
+    all_mask = torch.full((1, 4), MASK_ID)
+    with torch.no_grad():
+        for m in range(2):
+            cache = target.prefill(prompt)
+            scored = target.score_handoffs(cache, blocks, complete)
+            torch.testing.assert_close(scored.logits, target.score(cache, blocks).logits, rtol=1e-9, atol=1e-9)
+            opened = scored.opening(m)
+            apart = target.score(target.prefill(prompt), all_mask, complete[m])  # the next block's own first pass
+            torch.testing.assert_close(scored.next_logits[m], apart.logits[0], rtol=1e-9, atol=1e-9)
+            assert torch.equal(opened.tokens, apart.cache.tokens) and opened.kv.get_seq_length() == 10
+            torch.testing.assert_close(opened.last_logits, apart.cache.last_logits, rtol=1e-9, atol=1e-9)
+            after, expected = target.score(opened, blocks).logits, target.score(apart.cache, blocks).logits
+            torch.testing.assert_close(after, expected, rtol=1e-9, atol=1e-9)  # the opened cache serves the block
 
 
 def test_bad_token_ids_are_rejected() -> None:

@@ -325,12 +325,14 @@ def decode_ids(
     observer: Observer | None = None,
 ) -> RawGeneration:
     """Decode one prompt block by block (stopping after a block holding EOS when ``stop_at_eos``)."""
+    if prompt_ids.ndim != 1 or prompt_ids.shape[0] == 0:
+        raise ValueError("the prompt must be a non-empty 1-D tensor of token ids")
     start_passes, start_tokens = target.counter.snapshot()
     start_time = time.perf_counter()
     stats = DecodeStats()
-    cache = target.prefill(prompt_ids)
+    cache = None  # the first block's first pass prefills the prompt (written as its finished text), one pass
     blocks, steps, pass_nos = [], [], []
-    finished, opening = None, None
+    finished, opening = prompt_ids, None
     n_blocks = settings.gen_length // settings.block_length
     can_hand_off = settings.handoffs and scores_handoffs(target)
     for block_index in range(n_blocks):

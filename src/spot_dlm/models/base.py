@@ -2,10 +2,10 @@
 
 A target is used block by block: ``prefill`` the prompt into a prefix cache; ``score`` K candidate states of the
 current block in one forward pass that shares the prefix (optionally writing the previous, finished block into the
-cache in that same pass); ``write`` a finished block without scoring anything. A target may also
-``score_handoffs``: candidate states and complete candidates of the block, each scored as the finished block before
-the all-mask next block, in one pass (``scores_handoffs``). Every call is one pass, counted with the query tokens
-it processed.
+cache in that same pass; with no cache, ``finished`` is the prompt: decoding prefills it in the first block's
+pass); ``write`` a finished block without scoring anything. A target may also ``score_handoffs``: candidate states
+and complete candidates of the block, each scored as the finished block before the all-mask next block, in one
+pass (``scores_handoffs``). Every call is one pass, counted with the query tokens it processed.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class Target(Protocol):
         """prompt_ids int64 [P] -> prefix cache."""
 
     def score(self, cache: Any, blocks: torch.Tensor, finished: torch.Tensor | None = None) -> ScoreResult:
-        """blocks int64 [K, L] (candidate states of the block after the cache and ``finished``) -> logits."""
+        """blocks int64 [K, L] (candidate states of the block after the cache and ``finished``) -> logits; cache
+        None: nothing before ``finished`` (the prompt, prefilled in this pass)."""
 
     def write(self, cache: Any, finished: torch.Tensor) -> Any:
         """Append a finished block (int64 [L]) to the prefix cache in its own pass."""

@@ -171,7 +171,10 @@ class BuiltinTarget:
 
     @torch.no_grad()
     def score(self, cache: PrefixCache, blocks: torch.Tensor, finished: torch.Tensor | None = None) -> ScoreResult:
-        """Logits [K, L, V] of K candidate states; ``finished`` (int64 [L']) is written to the cache first."""
+        """Logits [K, L, V] of K candidate states; ``finished`` (int64 [L']) is written to the cache first (cache
+        None: ``finished`` is the prompt, prefilled in this pass)."""
+        if cache is None and (finished is None or finished.numel() == 0):
+            raise ValueError("scoring without a cache needs the prompt as the finished text")
         clean = blocks.new_zeros(0) if finished is None else finished.to(self.device)
         out = self._run(cache, clean, blocks.to(self.device))
         new_cache = cache if finished is None else self._extend(cache, clean, out)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from spot_dlm.models.base import PassCounter, ScoreResult
+from spot_dlm.models.base import HandoffScore, PassCounter, ScoreResult
 from spot_dlm.models.layout import attention_mask, block_layout, clean_layout, concat
 from spot_dlm.models.tokenizer import format_prompt
 
@@ -87,32 +87,55 @@ class HFTarget:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _forward(self, cache: HFPrefix | None, clean: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """One pass over [clean | candidate 0 | candidate 1 | ...] after the cached prefix.
+    def _forward(
+        self, cache: HFPrefix | None, clean: torch.Tensor, blocks: torch.Tensor, handoffs: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Any, list]:
+        """One pass over [clean | candidate 0 | candidate 1 | ... | hand-off 0 | ...] after the cached prefix; a
+        hand-off is a complete candidate of the block (clean) and the all-mask next block after it, its own branch.
 
-        clean int64 [Nc]; blocks int64 [K, L] -> (logits [Nc + K L, V], the cache now holding prefix + clean).
+        clean int64 [Nc]; blocks int64 [K, L]; handoffs int64 [M, L] or None -> (logits [Nc + K L + 2 M L, V], the
+        cache now holding prefix + clean, per hand-off the (keys, values) of its complete candidate per layer).
         """
         from transformers import DynamicCache
 
         n_past = 0 if cache is None else cache.length
-        n_clean, (n_nodes, block_length) = clean.shape[0], blocks.shape
-        device = self.device
+        n_clean, (n_nodes, length) = clean.shape[0], blocks.shape
+        n_handoffs = 0 if handoffs is None else handoffs.shape[0]
+        device, start = self.device, n_past + n_clean
+        branches = [
+            concat(
+                clean_layout(start, length, device, n_nodes + m),
+                block_layout(start + length, length, n_nodes + m, device, n_nodes + m),
+            )
+            for m in range(n_handoffs)
+        ]
         layout = concat(
             clean_layout(n_past, n_clean, device),
-            *(block_layout(n_past + n_clean, block_length, k, device) for k in range(n_nodes)),
+            *(block_layout(start, length, k, device) for k in range(n_nodes)),
+            *branches,
         )
+        masks = torch.full((n_handoffs, length), self.mask_id, dtype=torch.int64, device=device)
+        handoff_ids = blocks.new_zeros(0) if handoffs is None else torch.cat([handoffs, masks], 1).reshape(-1)
         kv = DynamicCache(config=self.model.config) if cache is None else cache.kv
         dtype = next(self.model.parameters()).dtype
         out = self.model(
-            input_ids=torch.cat([clean, blocks.reshape(-1)])[None],
+            input_ids=torch.cat([clean, blocks.reshape(-1), handoff_ids])[None],
             attention_mask=additive_mask(attention_mask(layout, n_past), dtype),
             position_ids=layout.positions[None],
             use_cache=True,
             **{cache_keyword(self.model): kv},
         )
-        keep_first(kv, n_past + n_clean)
+        first = start + n_nodes * length  # the first hand-off's first column in the cache
+        written = [
+            [
+                (layer.keys[:, :, at : at + length].clone(), layer.values[:, :, at : at + length].clone())
+                for layer in kv.layers
+            ]
+            for at in range(first, first + 2 * length * n_handoffs, 2 * length)
+        ]
+        keep_first(kv, start)
         self.counter.record(len(layout))
-        return out.logits[0], kv
+        return out.logits[0], kv, written
 
     @staticmethod
     def _extend(cache: HFPrefix | None, clean: torch.Tensor, logits: torch.Tensor, kv: Any) -> HFPrefix:
@@ -125,28 +148,59 @@ class HFTarget:
         if prompt_ids.ndim != 1 or prompt_ids.shape[0] == 0:
             raise ValueError("the prompt must be a non-empty 1-D tensor of token ids")
         prompt_ids = prompt_ids.to(self.device)
-        logits, kv = self._forward(None, prompt_ids, prompt_ids.new_zeros(0, 1))
+        logits, kv, _ = self._forward(None, prompt_ids, prompt_ids.new_zeros(0, 1))
         return self._extend(None, prompt_ids, logits, kv)
 
     @torch.no_grad()
     def score(self, cache: HFPrefix, blocks: torch.Tensor, finished: torch.Tensor | None = None) -> ScoreResult:
         """Logits [K, L, V] of K candidate states; ``finished`` (int64 [L']) is written to the cache first.
 
-        The cache object passed in is advanced in place: use the returned one afterwards."""
+        The cache object passed in is advanced in place: use the returned one afterwards. Cache None: ``finished``
+        is the prompt, prefilled in this pass."""
+        if cache is None and (finished is None or finished.numel() == 0):
+            raise ValueError("scoring without a cache needs the prompt as the finished text")
         clean = blocks.new_zeros(0) if finished is None else finished.to(self.device)
         n_nodes, block_length = blocks.shape
-        logits, kv = self._forward(cache, clean, blocks.to(self.device))
+        logits, kv, _ = self._forward(cache, clean, blocks.to(self.device))
         new_cache = cache if finished is None else self._extend(cache, clean, logits, kv)
         nodes = logits[clean.shape[0] :].reshape(n_nodes, block_length, -1)  # [K, L, V]
-        if self.shifted_logits:
-            first = new_cache.last_logits.expand(n_nodes, 1, -1)
-            nodes = torch.cat([first, nodes[:, :-1]], dim=1)
-        return ScoreResult(logits=nodes, cache=new_cache)
+        return ScoreResult(logits=self._blocks(nodes, new_cache.last_logits), cache=new_cache)
+
+    def _blocks(self, logits: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """Per-position logits of candidate blocks from the pass's rows: with shifted logits position 0 comes from
+        the last clean token (``last`` [V] or [K, V]). logits [K, L, V] -> [K, L, V]"""
+        if not self.shifted_logits:
+            return logits
+        return torch.cat([last.expand(logits.shape[0], -1)[:, None], logits[:, :-1]], dim=1)
+
+    @torch.no_grad()
+    def score_handoffs(self, cache: HFPrefix, blocks: torch.Tensor, handoffs: torch.Tensor) -> HandoffScore:
+        """One pass: logits [K, L, V] of K candidate states and, for each of M complete candidates of the block
+        (int64 [M, L]), those of the all-mask next block with that candidate written as the finished block.
+
+        The cache is cut back to the prefix after the pass; ``opening(m)`` writes candidate m's keys and values
+        into it (in place: open one hand-off, then use only the returned cache)."""
+        device = self.device
+        (n_nodes, length), n_handoffs = blocks.shape, handoffs.shape[0]
+        logits, kv, written = self._forward(
+            cache, blocks.new_zeros(0, device=device), blocks.to(device), handoffs.to(device)
+        )
+        nodes = self._blocks(logits[: n_nodes * length].reshape(n_nodes, length, -1), cache.last_logits)
+        rows = logits[n_nodes * length :].reshape(n_handoffs, 2, length, -1)  # [M, complete | next block, L, V]
+        next_logits = self._blocks(rows[:, 1], rows[:, 0, -1])
+
+        def opening(m: int) -> HFPrefix:
+            for index, (keys, values) in enumerate(written[m]):
+                kv.update(keys, values, index)
+            tokens = torch.cat([cache.tokens, handoffs[m].to(device)])
+            return HFPrefix(tokens=tokens, kv=kv, last_logits=rows[m, 0, -1])
+
+        return HandoffScore(logits=nodes, next_logits=next_logits, opening=opening)
 
     @torch.no_grad()
     def write(self, cache: HFPrefix, finished: torch.Tensor) -> HFPrefix:
         finished = finished.to(self.device)
-        logits, kv = self._forward(cache, finished, finished.new_zeros(0, 1))
+        logits, kv, _ = self._forward(cache, finished, finished.new_zeros(0, 1))
         return self._extend(cache, finished, logits, kv)
 
 
