@@ -41,8 +41,89 @@ class _Hidden:
     handoff_kv: tuple[LayerKV, ...] | None = None  # per layer [M, H, L, Dh]: the complete candidates' keys, values
 
 
-def _slice_kv(kv: tuple[LayerKV, ...], rows: slice, columns: slice) -> tuple[LayerKV, ...]:
-    return tuple(LayerKV(layer.keys[rows, :, columns], layer.values[rows, :, columns]) for layer in kv)
+@dataclass(frozen=True)
+class _Query:
+    """The query rows of one pass and where each candidate block and each hand-off starts in them."""
+
+    input_ids: torch.Tensor  # int64 [R, N]
+    rows: tuple[tuple[Layout, int], ...]  # (a row's layout, how many consecutive rows share it)
+    node_at: torch.Tensor  # int64 [K, 2]: (row, column) of each candidate block's first token
+    handoff_at: torch.Tensor  # int64 [M, 2]: (row, column) of each hand-off's first token
+
+    def positions(self) -> torch.Tensor:
+        """int64 [R, N] (a view when every row shares one layout)"""
+        return _stack_rows([layout.positions[None].expand(n, -1) for layout, n in self.rows])
+
+    def mask(self, n_past: int) -> torch.Tensor:
+        """bool [R, N, n_past + N] (a view when every row shares one layout)"""
+        return _stack_rows([attention_mask(layout, n_past)[None].expand(n, -1, -1) for layout, n in self.rows])
+
+
+def _stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _handoff_layout(start: int, length: int, branch: int, device: torch.device) -> Layout:
+    """A hand-off: the complete candidate (clean) and the all-mask next block after it, in a branch of its own."""
+    complete = clean_layout(start, length, device, branch)
+    return concat(complete, block_layout(start + length, length, branch, device, branch))
+
+
+def _packed_query(
+    prefix: Layout, start: int, clean: torch.Tensor, blocks: torch.Tensor, handoff_ids: torch.Tensor
+) -> _Query:
+    """One row [clean | candidate 0 | ... | hand-off 0 | ...]: each candidate its own group, each hand-off its own
+    branch; ``start`` is the block's first position. clean [Nc], blocks [K, L], handoff_ids [M, 2 L]"""
+    (n_nodes, length), n_handoffs, device = blocks.shape, handoff_ids.shape[0], blocks.device
+    layout = concat(
+        prefix,
+        *(block_layout(start, length, k, device) for k in range(n_nodes)),
+        *(_handoff_layout(start, length, n_nodes + m, device) for m in range(n_handoffs)),
+    )
+    firsts = torch.cat([torch.arange(n_nodes, device=device), n_nodes + 2 * torch.arange(n_handoffs, device=device)])
+    at = torch.stack([torch.zeros_like(firsts), len(prefix) + length * firsts], 1)  # [K + M, 2]
+    input_ids = torch.cat([clean, blocks.reshape(-1), handoff_ids.reshape(-1)])[None]  # [1, Nc + K L + 2 M L]
+    return _Query(input_ids, ((layout, 1),), at[:n_nodes], at[n_nodes:])
+
+
+def _batched_query(
+    prefix: Layout, start: int, clean: torch.Tensor, blocks: torch.Tensor, handoff_ids: torch.Tensor, mask_id: int
+) -> _Query:
+    """A row per candidate [clean | candidate]; with hand-offs, rows two blocks wide: the candidates in pairs (an
+    odd one beside a masked block nobody reads), then a row per hand-off [clean | complete | next block].
+    clean [Nc], blocks [K, L], handoff_ids [M, 2 L]"""
+    (n_nodes, length), n_handoffs, device = blocks.shape, handoff_ids.shape[0], blocks.device
+    n_clean = len(prefix)
+    nodes = torch.arange(n_nodes, device=device)
+    if not n_handoffs:
+        rows = ((concat(prefix, block_layout(start, length, 0, device)), blocks),)
+        node_at = torch.stack([nodes, torch.full_like(nodes, n_clean)], 1)
+    else:
+        pairs = -(-n_nodes // 2)
+        spare = torch.full((2 * pairs - n_nodes, length), mask_id, dtype=blocks.dtype, device=device)
+        two = concat(prefix, *(block_layout(start, length, side, device, branch=side) for side in (0, 1)))
+        handoff_row = concat(prefix, _handoff_layout(start, length, 0, device))
+        rows = ((two, torch.cat([blocks, spare]).reshape(pairs, 2 * length)), (handoff_row, handoff_ids))
+        node_at = torch.stack([nodes // 2, n_clean + nodes % 2 * length], 1)
+    handoffs = rows[0][1].shape[0] + torch.arange(n_handoffs, device=device)
+    handoff_at = torch.stack([handoffs, torch.full_like(handoffs, n_clean)], 1)
+    input_ids = torch.cat([torch.cat([clean.expand(q.shape[0], -1), q], 1) for _, q in rows])  # [R, Nc + W]
+    return _Query(input_ids, tuple((layout, q.shape[0]) for layout, q in rows), node_at, handoff_at)
+
+
+def _gather(x: torch.Tensor, at: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+    """``length`` consecutive tokens from each (row, column + offset). x [R, N, d], at int64 [K, 2] -> [K, L, d]"""
+    columns = at[:, 1:] + offset + torch.arange(length, device=at.device)  # [K, L]
+    return x[at[:, :1], columns]
+
+
+def _gather_kv(kv: tuple[LayerKV, ...], at: torch.Tensor, length: int) -> tuple[LayerKV, ...]:
+    """Each layer's keys and values of ``length`` tokens from each (row, column). [R, H, N, Dh] -> [K, H, L, Dh]"""
+    columns = at[:, 1:] + torch.arange(length, device=at.device)  # [K, L]
+    return tuple(
+        LayerKV(layer.keys[at[:, :1], :, columns].transpose(1, 2), layer.values[at[:, :1], :, columns].transpose(1, 2))
+        for layer in kv
+    )
 
 
 @dataclass
@@ -72,7 +153,7 @@ class BuiltinTarget:
         handoffs: torch.Tensor | None = None,
     ) -> _Hidden:
         """One forward: the clean tokens (causal, after the cache), K candidate blocks after them and M hand-offs
-        (a complete candidate of the block, clean, then an all-mask next block: its own branch of the query).
+        (a complete candidate of the block, clean, then an all-mask next block: a branch of the query of its own).
 
         clean int64 [Nc]; blocks int64 [K, L] (K may be 0); handoffs int64 [M, L] or None.
         """
@@ -81,66 +162,23 @@ class BuiltinTarget:
         past = cache.kv if (self.use_cache and cache is not None) else None
         n_past = 0 if past is None else cache.length
         n_clean, (n_nodes, length) = clean.shape[0], blocks.shape
-        n_handoffs = 0 if handoffs is None else handoffs.shape[0]
-        start, device = n_past + n_clean, self.device
-        prefix = clean_layout(n_past, n_clean, device)
-        masks = torch.full((n_handoffs, length), self.mask_id, dtype=torch.int64, device=device)
-        handoff_ids = blocks.new_zeros(0, 2 * length) if handoffs is None else torch.cat([handoffs, masks], 1)
-
-        def handoff_layout(branch: int) -> Layout:  # the complete candidate, then the next block after it
-            return concat(
-                clean_layout(start, length, device, branch),
-                block_layout(start + length, length, branch, device, branch),
-            )
-
-        if self.scoring == "packed" or n_nodes + n_handoffs == 0:
-            layout = concat(
-                prefix,
-                *(block_layout(start, length, k, device) for k in range(n_nodes)),
-                *(handoff_layout(n_nodes + m) for m in range(n_handoffs)),
-            )
-            input_ids = torch.cat([clean, blocks.reshape(-1), handoff_ids.reshape(-1)])[None]  # [1, Nc + K L + 2 M L]
-            mask, positions = attention_mask(layout, n_past)[None], layout.positions[None]
-            node_at = [(0, n_clean + k * length) for k in range(n_nodes)]
-            handoff_at = [(0, n_clean + n_nodes * length + 2 * m * length) for m in range(n_handoffs)]
+        prefix = clean_layout(n_past, n_clean, self.device)
+        handoff_ids = blocks.new_zeros(0, 2 * length)
+        if handoffs is not None:  # each complete candidate, then the all-mask next block
+            handoff_ids = torch.cat([handoffs, torch.full_like(handoffs, self.mask_id)], 1)
+        if self.scoring == "packed" or n_nodes + handoff_ids.shape[0] == 0:
+            query = _packed_query(prefix, n_past + n_clean, clean, blocks, handoff_ids)
         else:
-            rows = [(concat(prefix, block_layout(start, length, 0, device)), blocks)]  # (layout, queries [R, .])
-            node_at = [(k, n_clean) for k in range(n_nodes)]
-            if n_handoffs:  # rows two blocks wide: nodes in pairs (the last one maybe beside a block nobody reads)
-                pairs = -(-n_nodes // 2)
-                paired = torch.cat([blocks, masks[:1].expand(2 * pairs - n_nodes, -1)]).reshape(pairs, 2 * length)
-                two = [block_layout(start, length, side, device, branch=side) for side in (0, 1)]
-                rows = [(concat(prefix, *two), paired), (concat(prefix, handoff_layout(0)), handoff_ids)]
-                node_at = [(k // 2, n_clean + k % 2 * length) for k in range(n_nodes)]
-            input_ids = torch.cat([torch.cat([clean.expand(q.shape[0], -1), q], 1) for _, q in rows])  # [R, Nc + W]
-            mask = torch.cat([attention_mask(lay, n_past)[None].expand(q.shape[0], -1, -1) for lay, q in rows])
-            positions = torch.cat([lay.positions[None].expand(q.shape[0], -1) for lay, q in rows])
-            handoff_at = [(rows[0][1].shape[0] + m, n_clean) for m in range(n_handoffs)]
-        hidden, new_kv = self.model(input_ids, positions, mask, past)
-        self.counter.record(input_ids.numel())
-
-        def take(at: list[tuple[int, int]], offset: int) -> torch.Tensor:  # [len(at), L, d]
-            if not at:
-                return hidden.new_zeros(0, length, hidden.shape[-1])
-            return torch.stack([hidden[row, col + offset : col + offset + length] for row, col in at])
-
-        out = _Hidden(
-            clean=hidden[0, :n_clean],
-            nodes=take(node_at, 0),
-            clean_kv=_slice_kv(new_kv, slice(0, 1), slice(0, n_clean)),
-        )
-        if not n_handoffs:
+            query = _batched_query(prefix, n_past + n_clean, clean, blocks, handoff_ids, self.mask_id)
+        hidden, new_kv = self.model(query.input_ids, query.positions(), query.mask(n_past), past)
+        self.counter.record(query.input_ids.numel())
+        clean_kv = tuple(LayerKV(kv.keys[:1, :, :n_clean], kv.values[:1, :, :n_clean]) for kv in new_kv)
+        out = _Hidden(clean=hidden[0, :n_clean], nodes=_gather(hidden, query.node_at, 0, length), clean_kv=clean_kv)
+        if handoffs is None:
             return out
-        kv = tuple(
-            LayerKV(
-                *(
-                    torch.stack([t[row, :, col : col + length] for row, col in handoff_at])
-                    for t in (layer.keys, layer.values)
-                )
-            )
-            for layer in new_kv
-        )
-        return replace(out, handoff_clean=take(handoff_at, 0), handoff_nodes=take(handoff_at, length), handoff_kv=kv)
+        at = query.handoff_at
+        complete, after = _gather(hidden, at, 0, length), _gather(hidden, at, length, length)
+        return replace(out, handoff_clean=complete, handoff_nodes=after, handoff_kv=_gather_kv(new_kv, at, length))
 
     def _extend(self, cache: PrefixCache | None, clean: torch.Tensor, out: _Hidden) -> PrefixCache:
         if cache is not None and not self.use_cache:
@@ -194,7 +232,7 @@ class BuiltinTarget:
             written = handoffs[m].to(device)
             kv = None
             if self.use_cache:
-                mine = _slice_kv(out.handoff_kv, slice(m, m + 1), slice(None))
+                mine = tuple(LayerKV(layer.keys[m : m + 1], layer.values[m : m + 1]) for layer in out.handoff_kv)
                 kv = tuple(
                     LayerKV(torch.cat([old.keys, new.keys], 2), torch.cat([old.values, new.values], 2))
                     for old, new in zip(cache.kv, mine, strict=True)
