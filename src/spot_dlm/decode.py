@@ -276,20 +276,20 @@ def decode_block(
         block_noise.forget_before(step_index)
         tick = time.perf_counter()
         context = DraftContext(
-            state,
-            parent,
-            logits,
-            step_index,
-            block_index,
-            key,
-            settings.rule,
-            mask_id,
-            block_noise,
-            previous_logits,
-            proposal,
-            prefix,
-            block_memo,
-            handoffs,
+            root=state,
+            parent=parent,
+            stale_logits=logits,
+            root_step=step_index,
+            block_index=block_index,
+            noise=key,
+            rule=settings.rule,
+            mask_id=mask_id,
+            block_noise=block_noise,
+            previous_logits=previous_logits,
+            proposal=proposal,
+            prefix=prefix,
+            block_memo=block_memo,
+            handoffs=handoffs,
         )
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick
@@ -349,9 +349,9 @@ def decode_ids(
             stats,
             start_passes,
             observer,
-            prefix,
-            opening,
-            hand_off,
+            prefix=prefix,
+            opening=opening,
+            handoffs=hand_off,
         )
         blocks.append(finished)
         steps.append(trace.step)
