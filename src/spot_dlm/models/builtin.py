@@ -180,17 +180,20 @@ class BuiltinTarget:
         complete, after = _gather(hidden, at, 0, length), _gather(hidden, at, length, length)
         return replace(out, handoff_clean=complete, handoff_nodes=after, handoff_kv=_gather_kv(new_kv, at, length))
 
-    def _extend(self, cache: PrefixCache | None, clean: torch.Tensor, out: _Hidden) -> PrefixCache:
+    def _extend(
+        self, cache: PrefixCache | None, clean: torch.Tensor, hidden: torch.Tensor, kv: tuple[LayerKV, ...]
+    ) -> PrefixCache:
+        """The cache with ``clean`` (int64 [Nc]) written, from its hidden states [Nc, d] and per-layer keys and
+        values [1, H, Nc, Dh] (no pass)."""
         if cache is not None and not self.use_cache:
-            return PrefixCache(tokens=torch.cat([cache.tokens, clean]), kv=None, last_hidden=out.clean[-1])
+            return PrefixCache(tokens=torch.cat([cache.tokens, clean]), kv=None, last_hidden=hidden[-1])
         if cache is None or cache.kv is None:
-            kv = out.clean_kv if self.use_cache else None
-            return PrefixCache(tokens=clean, kv=kv, last_hidden=out.clean[-1])
+            return PrefixCache(tokens=clean, kv=kv if self.use_cache else None, last_hidden=hidden[-1])
         kv = tuple(
             LayerKV(torch.cat([old.keys, new.keys], 2), torch.cat([old.values, new.values], 2))
-            for old, new in zip(cache.kv, out.clean_kv, strict=True)
+            for old, new in zip(cache.kv, kv, strict=True)
         )
-        return PrefixCache(tokens=torch.cat([cache.tokens, clean]), kv=kv, last_hidden=out.clean[-1])
+        return PrefixCache(tokens=torch.cat([cache.tokens, clean]), kv=kv, last_hidden=hidden[-1])
 
     @torch.no_grad()
     def prefill(self, prompt_ids: torch.Tensor) -> PrefixCache:
@@ -199,7 +202,7 @@ class BuiltinTarget:
             raise ValueError("the prompt must be a non-empty 1-D tensor of token ids")
         prompt_ids = prompt_ids.to(self.device)
         out = self._run(None, prompt_ids, prompt_ids.new_zeros(0, 1))
-        return self._extend(None, prompt_ids, out)
+        return self._extend(None, prompt_ids, out.clean, out.clean_kv)
 
     def _block_logits(self, last: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
         """Logits of candidate blocks: position 0 is predicted from the last clean token, position i from the
@@ -215,7 +218,7 @@ class BuiltinTarget:
             raise ValueError("scoring without a cache needs the prompt as the finished text")
         clean = blocks.new_zeros(0) if finished is None else finished.to(self.device)
         out = self._run(cache, clean, blocks.to(self.device))
-        new_cache = cache if finished is None else self._extend(cache, clean, out)
+        new_cache = cache if finished is None else self._extend(cache, clean, out.clean, out.clean_kv)
         last = out.clean[-1] if out.clean.shape[0] else cache.last_hidden  # predicts position 0 of the block
         return ScoreResult(logits=self._block_logits(last, out.nodes), cache=new_cache)
 
@@ -229,15 +232,8 @@ class BuiltinTarget:
         next_logits = self._block_logits(out.handoff_clean[:, -1], out.handoff_nodes)  # [M, L, V]
 
         def opening(m: int) -> PrefixCache:
-            written = handoffs[m].to(device)
-            kv = None
-            if self.use_cache:
-                mine = tuple(LayerKV(layer.keys[m : m + 1], layer.values[m : m + 1]) for layer in out.handoff_kv)
-                kv = tuple(
-                    LayerKV(torch.cat([old.keys, new.keys], 2), torch.cat([old.values, new.values], 2))
-                    for old, new in zip(cache.kv, mine, strict=True)
-                )
-            return PrefixCache(tokens=torch.cat([cache.tokens, written]), kv=kv, last_hidden=out.handoff_clean[m, -1])
+            written = tuple(LayerKV(layer.keys[m : m + 1], layer.values[m : m + 1]) for layer in out.handoff_kv)
+            return self._extend(cache, handoffs[m].to(device), out.handoff_clean[m], written)
 
         return HandoffScore(logits=self._block_logits(last, out.nodes), next_logits=next_logits, opening=opening)
 
@@ -245,7 +241,7 @@ class BuiltinTarget:
     def write(self, cache: PrefixCache, finished: torch.Tensor) -> PrefixCache:
         finished = finished.to(self.device)
         out = self._run(cache, finished, finished.new_zeros(0, 1))
-        return self._extend(cache, finished, out)
+        return self._extend(cache, finished, out.clean, out.clean_kv)
 
 
 def builtin_dir() -> Path:

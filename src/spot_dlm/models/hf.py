@@ -192,8 +192,7 @@ class HFTarget:
         def opening(m: int) -> HFPrefix:
             for index, (keys, values) in enumerate(written[m]):
                 kv.update(keys, values, index)
-            tokens = torch.cat([cache.tokens, handoffs[m].to(device)])
-            return HFPrefix(tokens=tokens, kv=kv, last_logits=rows[m, 0, -1])
+            return self._extend(cache, handoffs[m].to(device), rows[m, 0], kv)
 
         return HandoffScore(logits=nodes, next_logits=next_logits, opening=opening)
 
