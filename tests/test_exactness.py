@@ -591,6 +591,38 @@ def test_eos_stop_is_exercised():
     assert stopped > 0
 
 
+@dataclass
+class RecordingDrafter:
+    """Wraps a drafter and keeps every tree it proposes."""
+
+    inner: object
+    trees: list = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def propose(self, context):
+        self.trees.append(self.inner.propose(context))
+        return self.trees[-1]
+
+
+def test_a_block_that_ends_decoding_is_never_handed_off():
+    """Under ``stop_at_eos`` a complete block holding EOS has no next block: the oracle, which hands off every true
+    complete block it can, hands off none holding EOS there; without the stop it does, and both stay exact."""
+    rule = CommitRule("one", temperature=1.0)
+    holding_eos = {}
+    for stop in (True, False):
+        count = 0
+        for seed in range(4, 40, 8):
+            case = make_case(seed, gen_length=32, budget=16, depth=8, stop_at_eos=stop)
+            drafter = RecordingDrafter(make_drafter("oracle", case, rule, "batched", None))
+            assert_exact(case, rule, "batched", drafter)
+            count += sum(int((t.handoffs == EOS_ID).any(-1).sum()) for t in drafter.trees if t.n_handoffs)
+        holding_eos[stop] = count
+    assert holding_eos[True] == 0 and holding_eos[False] > 0
+
+
 # ---------------------------------------------------------------------------------------------- merged states
 
 

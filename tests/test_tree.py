@@ -193,3 +193,14 @@ def test_state_key_ignores_dtype_and_separates_steps() -> None:
     s = state(3, 1, MASK, MASK, MASK)
     assert state_key(s, 2) == state_key(s.to(torch.int32), 2)
     assert state_key(s, 2) != state_key(s, 3)
+
+
+def test_a_complete_state_holding_the_stop_token_is_never_handed_off() -> None:
+    b = TreeBuilder(root=ROOT.clone(), root_step=1, mask_id=MASK, max_nodes=3, handoffs=True, stop_id=5)
+    chain = b.add(0, state(3, 1, 2, 4, MASK))
+    assert b.add(chain, state(3, 1, 2, 4, 5)) is None  # holds the stop token: decoding ends after it, no next block
+    assert not b.full  # so it does not spend the budget either
+    assert b.add(chain, state(3, 1, 2, 4, 6)) is None  # another complete candidate is handed off
+    tree = b.build()
+    assert tree.n_handoffs == 1 and tree.handoff(state(3, 1, 2, 4, 5)) is None
+    assert tree.handoff(state(3, 1, 2, 4, 6)) == 0

@@ -51,6 +51,7 @@ class DraftContext:
     prefix: torch.Tensor | None = None  # int64 [P]: the clean text before the block, prompt and finished blocks
     block_memo: dict | None = None  # the loop's memo for what a drafter computes once per block (None: per round)
     handoffs: bool = False  # a next block follows and the target scores hand-offs: complete candidates may be drafted
+    stop_id: int | None = None  # decoding ends after a block holding this token (EOS under stop_at_eos): no hand-off
 
     def gumbel(self, step_index: int, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Keyed noise of rule step ``step_index``, float64 [L, V] (shared: do not modify); with ``positions``
@@ -290,6 +291,7 @@ def decode_block(
             prefix=prefix,
             block_memo=block_memo,
             handoffs=handoffs,
+            stop_id=target.eos_id if settings.stop_at_eos else None,
         )
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick

@@ -42,6 +42,7 @@ class TreeBuilder:
     mask_id: int
     max_nodes: int  # nodes and hand-offs: rows of the verification pass
     handoffs: bool = False  # draft complete candidates as hand-offs (else leave them out)
+    stop_id: int | None = None  # a complete candidate holding this token ends decoding: never a hand-off
     states: list[torch.Tensor] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
@@ -55,7 +56,7 @@ class TreeBuilder:
     @classmethod
     def rooted(cls, context, max_nodes: int) -> TreeBuilder:
         """A builder at a drafter's context (``decode.DraftContext``: its root, root step, mask and hand-offs)."""
-        return cls(context.root, context.root_step, context.mask_id, max_nodes, context.handoffs)
+        return cls(context.root, context.root_step, context.mask_id, max_nodes, context.handoffs, context.stop_id)
 
     def _append(self, state: torch.Tensor, parent: int, step_index: int, key: tuple[int, bytes]) -> int:
         self.index[key] = len(self.states)
@@ -88,11 +89,15 @@ class TreeBuilder:
         if self.full:
             return None
         if complete:
-            if self.handoffs and tokens not in self.handoff_index:
+            if self.handoffs and tokens not in self.handoff_index and not self._stops(state):
                 self.handoff_index[tokens] = len(self.handoff_states)
                 self.handoff_states.append(state)
             return None
         return self._append(state, parent, step_index, key)
+
+    def _stops(self, state: torch.Tensor) -> bool:
+        """Whether decoding ends after this complete state (no next block to open)."""
+        return self.stop_id is not None and bool((state == self.stop_id).any())
 
     def build(self, device: torch.device | None = None) -> DraftTree:
         """The tree, its states stacked on ``device`` (default: where they are)."""

@@ -495,7 +495,7 @@ def _assemble(context: DraftContext, grown: _Levels, budget: int, root: torch.Te
     logprob, parent = np.concatenate(grown.logprob), np.concatenate(grown.parent)  # [N], by depth then age
     complete = np.concatenate(grown.complete).tolist()  # [N]
     starts = np.cumsum([0] + [len(lp) for lp in grown.logprob]).tolist()  # first candidate index of each level
-    builder = TreeBuilder(root, context.root_step, context.mask_id, budget, context.handoffs)
+    builder = TreeBuilder(root, context.root_step, context.mask_id, budget, context.handoffs, context.stop_id)
     node_of = {0: 0}
     for index in _best_first(logprob[1:], 4 * budget):
         if builder.full:
