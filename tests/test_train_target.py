@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state
+from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state, save_checkpoint
 from spot_dlm.models.tokenizer import TextCodec
 from spot_dlm.train.target import TrainConfig, train_target
 
@@ -71,3 +71,24 @@ def test_missing_device_is_a_clear_error(corpus: Path, tmp_path: Path) -> None:
         pytest.skip("checks the refusal on a machine without CUDA")
     with pytest.raises(ValueError, match="CUDA"):
         train_target(short_run(corpus, tmp_path / "run", device="cuda"))
+
+
+def test_distilling_a_teacher_logs_the_soft_loss(corpus: Path, tmp_path: Path, checkpoint_dir: Path) -> None:
+    out = tmp_path / "student"
+    train_target(short_run(corpus, out, phase="bd", teacher=checkpoint_dir))
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert np.isfinite(log[-1]["heldout_teacher_loss"]) and np.isfinite(log[-1]["heldout_bd_loss"])
+    assert load_training_state(out)["train_config"]["teacher"] == str(checkpoint_dir)
+
+
+def test_a_teacher_is_checked_before_training(
+    corpus: Path, tmp_path: Path, checkpoint_dir: Path, model_factory
+) -> None:
+    with pytest.raises(ValueError, match="block-diffusion phase"):
+        short_run(corpus, tmp_path / "a", phase="ar", teacher=checkpoint_dir)
+    with pytest.raises(FileNotFoundError, match="teacher checkpoint"):
+        train_target(short_run(corpus, tmp_path / "b", phase="bd", teacher=tmp_path / "nowhere"))
+    other = tmp_path / "other-vocab"
+    save_checkpoint(model_factory(vocab_size=50, dtype=torch.float32), other)
+    with pytest.raises(ValueError, match="vocabulary"):
+        train_target(short_run(corpus, tmp_path / "c", phase="bd", teacher=other))

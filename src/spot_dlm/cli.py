@@ -133,7 +133,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
-def _init_folder(name: str | None) -> Path | None:
+def _init_folder(name: str | None, option: str = "--init") -> Path | None:
     if name is None:
         return None
     if name == "builtin":
@@ -142,7 +142,7 @@ def _init_folder(name: str | None) -> Path | None:
         return builtin_dir()
     path = Path(name)
     if not (path / "model.safetensors").is_file():
-        raise ValueError(f"--init: no checkpoint in {path}")
+        raise ValueError(f"{option}: no checkpoint in {path}")
     return path
 
 
@@ -164,6 +164,7 @@ def _train_target(args: argparse.Namespace) -> int:
         n_heads=args.n_heads,
         device=args.device,
         bf16=args.bf16,
+        teacher=_init_folder(args.teacher, "--teacher"),
     )
     print(train_target(config))
     return 0
@@ -542,6 +543,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_option(train)
     train.add_argument(
         "--init", default=None, help="'builtin' or a checkpoint folder to resume from if --out is empty"
+    )
+    train.add_argument(
+        "--teacher",
+        default=None,
+        help="bd phase: 'builtin' or a checkpoint folder whose distributions to distil (e.g. a small LM for token "
+        "guesses)",
     )
     train.set_defaults(func=_train_target)
     bench = sub.add_parser("bench", help="compare methods side by side (same prompts, same noise, one process)")

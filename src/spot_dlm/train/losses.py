@@ -48,6 +48,7 @@ def block_diffusion_loss(
     block_length: int,
     generator: torch.Generator,
     nelbo: bool = False,
+    teacher: BlockDiffusionLM | None = None,
 ) -> LossOutput:
     """Masked cross-entropy inside blocks, clean earlier text as context (two-stream input [clean ; noisy]).
 
@@ -55,24 +56,53 @@ def block_diffusion_loss(
     stream, at a block's first position it is the clean stream (the last token before the block).
     tokens int64 [B, T] with T a multiple of block_length. ``nelbo=True`` returns the negative ELBO per token
     instead (each masked token's cross-entropy weighted by 1 / t of its block, averaged over all predicted
-    positions), the masked-diffusion likelihood bound.
+    positions), the masked-diffusion likelihood bound. With a ``teacher`` (a trained model over the same vocabulary)
+    the target of each masked position is the teacher's distribution on the same noisy input instead of the clean
+    token (distillation: soft cross-entropy, i.e. KL to the teacher plus its entropy).
     """
     batch, seq_len = tokens.shape
     noisy, is_masked, ratio = mask_blocks(tokens, block_length, model.config.mask_id, generator)
+    inputs = torch.cat([tokens, noisy], 1)  # [B, 2T]: the two-stream input
     layout = two_stream_layout(seq_len, block_length, tokens.device)
     mask = attention_mask(layout, 0)[None].expand(batch, -1, -1)
-    hidden, _ = model(torch.cat([tokens, noisy], 1), layout.positions[None].expand(batch, -1), mask)  # [B, 2T, d]
-    clean_hidden, noisy_hidden = hidden[:, :seq_len], hidden[:, seq_len:]
-    starts_block = (torch.arange(1, seq_len, device=tokens.device) % block_length == 0)[None, :, None]
-    predictor = torch.where(starts_block, clean_hidden[:, :-1], noisy_hidden[:, :-1])  # predicts positions 1..T-1
+    positions = layout.positions[None].expand(batch, -1)
     targets = is_masked[:, 1:]
-    logits = model.logits(predictor[targets])  # [M, V]
+    logits = masked_logits(model, inputs, positions, mask, targets, block_length)  # [M, V]
     n_tokens = int(targets.sum())
+    if teacher is not None:
+        if nelbo:
+            raise ValueError("distillation trains on the teacher's distributions, not the masked-diffusion bound")
+        if n_tokens == 0:
+            return LossOutput(loss=logits.sum() * 0.0, n_tokens=0)
+        with torch.no_grad():
+            taught = masked_logits(teacher, inputs, positions, mask, targets, block_length).float()  # [M, V]
+        soft = -(torch.softmax(taught, -1) * torch.log_softmax(logits.float(), -1)).sum(-1)  # [M]
+        return LossOutput(loss=soft.mean(), n_tokens=n_tokens)
     if nelbo:
         per_token = F.cross_entropy(logits.float(), tokens[:, 1:][targets], reduction="none")
         weighted = (per_token / ratio[:, 1:][targets].clamp_min(1e-3)).sum()
         return LossOutput(loss=weighted / targets.numel(), n_tokens=targets.numel())
     if n_tokens == 0:
-        return LossOutput(loss=hidden.sum() * 0.0, n_tokens=0)
+        return LossOutput(loss=logits.sum() * 0.0, n_tokens=0)
     loss = F.cross_entropy(logits.float(), tokens[:, 1:][targets])
     return LossOutput(loss=loss, n_tokens=n_tokens)
+
+
+def masked_logits(
+    model: BlockDiffusionLM,
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    targets: torch.Tensor,
+    block_length: int,
+) -> torch.Tensor:
+    """Logits predicting the masked positions of a two-stream batch (``block_diffusion_loss``'s layout).
+
+    inputs int64 [B, 2T] (clean ; noisy), positions [B, 2T], mask [B, 2T, 2T], targets bool [B, T - 1] (which of
+    positions 1..T-1 are masked) -> [M, V], M = targets.sum(), in row-major order of ``targets``"""
+    seq_len = inputs.shape[1] // 2
+    hidden, _ = model(inputs, positions, mask)  # [B, 2T, d]
+    clean_hidden, noisy_hidden = hidden[:, :seq_len], hidden[:, seq_len:]
+    starts_block = (torch.arange(1, seq_len, device=inputs.device) % block_length == 0)[None, :, None]
+    predictor = torch.where(starts_block, clean_hidden[:, :-1], noisy_hidden[:, :-1])  # predicts positions 1..T-1
+    return model.logits(predictor[targets])

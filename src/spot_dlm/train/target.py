@@ -48,6 +48,7 @@ class TrainConfig:
     init_from: Path | None = None  # a checkpoint folder to start from when out_dir holds none (e.g. the shipped one)
     device: str = "cpu"  # cpu, cuda, cuda:N or auto
     bf16: bool = False  # bfloat16 autocast for the forward and loss (weights and optimizer stay float32)
+    teacher: Path | None = None  # bd phase: distil this trained model's distributions instead of the clean tokens
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -57,6 +58,8 @@ class TrainConfig:
         bad = [b for b in self.block_lengths if self.seq_len % b]
         if bad:
             raise ValueError(f"block lengths {bad} do not divide seq_len {self.seq_len}")
+        if self.teacher is not None and self.phase != "bd":
+            raise ValueError("a teacher is distilled in the block-diffusion phase only (--phase bd)")
 
 
 def learning_rate(config: TrainConfig, step: int, elapsed: float) -> float:
@@ -69,11 +72,16 @@ def learning_rate(config: TrainConfig, step: int, elapsed: float) -> float:
 
 
 def phase_loss(
-    model: BlockDiffusionLM, batch: torch.Tensor, phase: str, block_length: int, generator: torch.Generator
+    model: BlockDiffusionLM,
+    batch: torch.Tensor,
+    phase: str,
+    block_length: int,
+    generator: torch.Generator,
+    teacher: BlockDiffusionLM | None = None,
 ) -> LossOutput:
     if phase == "ar":
         return autoregressive_loss(model, batch)
-    return block_diffusion_loss(model, batch, block_length, generator)
+    return block_diffusion_loss(model, batch, block_length, generator, teacher=teacher)
 
 
 def fixed_eval_batches(tokens: np.ndarray, config: TrainConfig) -> list[torch.Tensor]:
@@ -90,15 +98,18 @@ def model_device(model: BlockDiffusionLM) -> torch.device:
 
 
 @torch.no_grad()
-def heldout_loss(model: BlockDiffusionLM, batches: list[torch.Tensor], phase: str) -> float:
-    """Mean held-out loss per predicted token (AR NLL, or block-diffusion masked CE at block 16, fixed masks).
-    Always in float32, so runs with and without bf16 autocast are compared on the same footing."""
+def heldout_loss(
+    model: BlockDiffusionLM, batches: list[torch.Tensor], phase: str, teacher: BlockDiffusionLM | None = None
+) -> float:
+    """Mean held-out loss per predicted token (AR NLL, or block-diffusion masked CE at block 16, fixed masks; with
+    a ``teacher``, the soft cross-entropy to its distributions instead). Always in float32, so runs with and
+    without bf16 autocast are compared on the same footing."""
     model.eval()
     device = model_device(model)
     generator = torch.Generator(device=device).manual_seed(777)
     total, count = 0.0, 0
     for batch in batches:
-        out = phase_loss(model, batch.to(device), phase, 16, generator)
+        out = phase_loss(model, batch.to(device), phase, 16, generator, teacher)
         total += float(out.loss) * out.n_tokens
         count += out.n_tokens
     model.train()
@@ -115,6 +126,19 @@ def initial_model(config: TrainConfig, vocab_size: int) -> tuple[BlockDiffusionL
         vocab_size=vocab_size, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads
     )
     return BlockDiffusionLM(model_config).train(), {}
+
+
+def load_teacher(folder: Path, vocab_size: int, device: torch.device) -> BlockDiffusionLM:
+    """The model to distil, frozen; it must share the student's vocabulary (its tokenizer's)."""
+    if not (Path(folder) / "model.safetensors").is_file():
+        raise FileNotFoundError(f"teacher checkpoint not found: {Path(folder) / 'model.safetensors'}")
+    teacher = load_model(Path(folder), dtype=torch.float32)
+    if teacher.config.vocab_size != vocab_size:
+        raise ValueError(
+            f"the teacher in {folder} has a vocabulary of {teacher.config.vocab_size} tokens; the corpus tokenizer "
+            f"has {vocab_size}"
+        )
+    return teacher.to(device).eval().requires_grad_(False)
 
 
 def train_target(config: TrainConfig) -> Path:
@@ -135,6 +159,7 @@ def train_target(config: TrainConfig) -> Path:
 
     model, state = initial_model(config, codec.vocab_size)
     model = model.to(device)
+    teacher = None if config.teacher is None else load_teacher(config.teacher, codec.vocab_size, device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -151,6 +176,7 @@ def train_target(config: TrainConfig) -> Path:
 
     def snapshot(step: int, loss_ema: float, elapsed: float) -> None:
         held = heldout_loss(model, eval_batches, config.phase)
+        taught = {} if teacher is None else {"heldout_teacher_loss": heldout_loss(model, eval_batches, "bd", teacher)}
         record = {
             "phase": config.phase,
             "step": step,
@@ -158,6 +184,7 @@ def train_target(config: TrainConfig) -> Path:
             "seconds": seconds,
             "train_loss_ema": loss_ema,
             f"heldout_{config.phase}_loss": held,
+            **taught,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         with log_path.open("a") as log:
@@ -185,7 +212,7 @@ def train_target(config: TrainConfig) -> Path:
             block_length = config.block_lengths[step % len(config.block_lengths)]
             tick = time.time()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16):
-                out = phase_loss(model, batch, config.phase, block_length, generator)
+                out = phase_loss(model, batch, config.phase, block_length, generator, teacher)
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
