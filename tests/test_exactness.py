@@ -24,7 +24,15 @@ import torch
 import torch.nn.functional as F
 
 import spot_dlm.decode as decode_module
-from spot_dlm.decode import DecodeSettings, DecodeStats, DraftContext, NoDrafter, RawGeneration, decode_ids
+from spot_dlm.decode import (
+    ROUND_ENDINGS,
+    DecodeSettings,
+    DecodeStats,
+    DraftContext,
+    NoDrafter,
+    RawGeneration,
+    decode_ids,
+)
 from spot_dlm.drafters.base import StaleGuesses
 from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens
 from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
@@ -269,6 +277,9 @@ def check_stats_consistent(raw: RawGeneration, block_length: int) -> None:
     assert 0 <= stats.handoff_blocks < max(n_blocks, 1)  # the first block never opens by a hand-off
     # each block's first pass (the first one prefills the prompt; none for a block a hand-off opened), verify passes
     assert stats.target_passes == n_blocks - stats.handoff_blocks + n_verify
+    # every verify pass's walk stopped for one reason; each hand-off ending opened the next block
+    assert sum(stats.round_endings.values()) == n_verify and set(stats.round_endings) <= set(ROUND_ENDINGS)
+    assert stats.round_endings["hand-off"] == stats.handoff_blocks
     assert not bool((raw.token_ids == MASK_ID).any())
     assert bool((raw.commit_step >= 0).all())
 
@@ -311,11 +322,15 @@ def assert_exact(case: Case, rule: CommitRule, scoring: str, drafter) -> tuple[R
     check_stats_consistent(ref, case.block_length)
     check_stats_consistent(out, case.block_length)
     assert set(ref.stats.accepted_lengths) <= {1}  # the drafter-free loop never accepts a drafted node
+    assert set(ref.stats.round_endings) <= {"leaf", "block end"}  # nor drafts any
+    if drafter.name.startswith("order-oracle"):  # the true order: a walk never stops at a wrong position
+        assert "wrong position" not in out.stats.round_endings, where
     if drafter.name == "oracle":
         lengths = [oracle_verify_lengths(n, case.budget, case.depth) for n in block_steps(ref, case.block_length)]
         assert out.stats.accepted_lengths == Counter(n for block in lengths for n in block), where
         handing_off = [oracle_hands_off(n, case.budget, case.depth) for n in block_steps(ref, case.block_length)[:-1]]
         assert out.stats.handoff_blocks == sum(handing_off), where
+        assert set(out.stats.round_endings) <= {"leaf", "hand-off", "block end"}, where  # nothing drafted is wrong
         if rule.kind == "one" and case.block_length >= 4 and case.budget >= 3 and case.depth >= 1:
             assert out.stats.target_passes < ref.stats.target_passes, where
     return ref, out

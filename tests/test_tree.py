@@ -204,3 +204,25 @@ def test_a_complete_state_holding_the_stop_token_is_never_handed_off() -> None:
     tree = b.build()
     assert tree.n_handoffs == 1 and tree.handoff(state(3, 1, 2, 4, 5)) is None
     assert tree.handoff(state(3, 1, 2, 4, 6)) == 0
+
+
+def test_round_endings_say_why_the_walk_stopped() -> None:
+    from spot_dlm.decode import round_ending
+
+    b = TreeBuilder(root=ROOT.clone(), root_step=1, mask_id=MASK, max_nodes=6, handoffs=True)
+    a = b.add(0, state(3, 1, MASK, MASK, MASK))
+    b.add(a, state(3, 1, 2, MASK, MASK))  # a's one child fills position 2
+    other = b.add(0, state(3, MASK, MASK, MASK, 7))  # a sibling of a, filling position 4
+    b.add(b.add(0, state(3, 8, MASK, MASK, MASK)), state(3, 8, 2, 4, 6))  # a chain ending in a hand-off
+    tree = b.build()
+    assert tree.n_handoffs == 1
+    assert round_ending(tree, a, state(3, 1, 5, MASK, MASK), MASK) == "wrong token"
+    assert round_ending(tree, a, state(3, 1, MASK, 5, MASK), MASK) == "wrong position"
+    assert round_ending(tree, other, state(3, MASK, 1, MASK, 7), MASK) == "leaf"
+    assert round_ending(tree, 0, state(3, 8, 2, 4, 6), MASK) == "hand-off"
+    assert round_ending(tree, 0, state(3, 8, 2, 4, 5), MASK) == "block end"
+    # the walk looks states up in the whole tree: a state one step below that extends a counts as its child
+    merged = TreeBuilder(root=ROOT.clone(), root_step=1, mask_id=MASK, max_nodes=4)
+    left = merged.add(0, state(3, 1, MASK, MASK, MASK))
+    merged.add(merged.add(0, state(3, MASK, 2, MASK, MASK)), state(3, 1, 2, MASK, MASK))  # parent: the other branch
+    assert round_ending(merged.build(), left, state(3, 1, 4, MASK, MASK), MASK) == "wrong token"

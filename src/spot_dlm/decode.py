@@ -103,6 +103,7 @@ class DecodeStats:
     committed_tokens: int = 0
     accepted_lengths: Counter = field(default_factory=Counter)  # per verify pass: free commit + accepted nodes
     handoff_blocks: int = 0  # blocks opened by a hand-off (their first pass done in the previous block's round)
+    round_endings: Counter = field(default_factory=Counter)  # per verify pass: why its walk stopped (ROUND_ENDINGS)
 
     def merge(self, other: DecodeStats) -> None:
         self.target_passes += other.target_passes
@@ -113,6 +114,7 @@ class DecodeStats:
         self.committed_tokens += other.committed_tokens
         self.accepted_lengths.update(other.accepted_lengths)
         self.handoff_blocks += other.handoff_blocks
+        self.round_endings.update(other.round_endings)
 
     @property
     def mean_accepted(self) -> float:
@@ -132,6 +134,7 @@ class DecodeStats:
             "draft_time_share": self.draft_seconds / self.wall_seconds if self.wall_seconds else 0.0,
             "accepted_lengths": {str(k): v for k, v in sorted(self.accepted_lengths.items())},
             "handoff_blocks": self.handoff_blocks,
+            "round_endings": dict(sorted(self.round_endings.items())),
         }
 
 
@@ -206,6 +209,32 @@ def _accept(tree: DraftTree, next_states: torch.Tensor) -> list[int]:
     while (child := tree.lookup(next_states[path[-1]], tree.steps[path[-1]] + 1)) is not None:
         path.append(child)
     return path
+
+
+# Why an acceptance walk stops at its deepest accepted node ``a`` (its true next state ``n`` is not in the tree). The
+# walk looks states up in the whole tree, so a's "children" are all nodes one rule step below it that extend it.
+ROUND_ENDINGS = (
+    "wrong token",  # a child fills exactly n's new positions, with other tokens
+    "wrong position",  # a has children, none fills exactly n's new positions
+    "leaf",  # a has no children (the budget or depth ran out there; always so for drafter-free decoding)
+    "hand-off",  # n completes the block and was drafted as a hand-off: the next block opens without a pass
+    "block end",  # n completes the block, not handed off (last block, EOS, or not drafted)
+)
+
+
+def round_ending(tree: DraftTree, node: int, next_state: torch.Tensor, mask_id: int) -> str:
+    """Why the walk stopped at ``node`` whose true next state is ``next_state`` (int64 [L]); see ``ROUND_ENDINGS``."""
+    if not bool((next_state == mask_id).any()):
+        return "hand-off" if tree.handoff(next_state) is not None else "block end"
+    state = tree.states[node]  # [L]
+    masked = state == mask_id  # [L]
+    one_below = torch.tensor([step == tree.steps[node] + 1 for step in tree.steps], device=state.device)  # [N]
+    extends = one_below & ((tree.states == state) | masked).all(-1)  # [N]: filled where ``state`` is, and agreeing
+    if not bool(extends.any()):
+        return "leaf"
+    filled = masked & (tree.states[extends] != mask_id)  # [C, L]: each child's new positions
+    same_positions = (filled == (masked & (next_state != mask_id))).all(-1)  # [C]
+    return "wrong token" if bool(same_positions.any()) else "wrong position"
 
 
 def _verify(target: Target, cache, tree: DraftTree):
@@ -300,6 +329,7 @@ def decode_block(
         next_states = stepped.tokens
         path = _accept(tree, next_states)
         stats.accepted_lengths[len(path)] += 1
+        stats.round_endings[round_ending(tree, path[-1], next_states[path[-1]], mask_id)] += 1
         for a, b in zip(path, path[1:]):
             stats.committed_tokens += trace.mark(tree.states[a], tree.states[b], mask_id, tree.steps[a], passes())
             stats.rule_steps += 1

@@ -14,6 +14,7 @@ import platform
 import re
 import shlex
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -137,6 +138,9 @@ def summarise(gens: list[Generation], items: list[dict], reference: list[Generat
         for k, v in g.stats["accepted_lengths"].items():
             hist[k] = hist.get(k, 0) + v
     verify = sum(hist.values())
+    endings: Counter = Counter()
+    for g in gens:
+        endings.update(g.stats["round_endings"])
     correct = [is_correct(g.text, item.get("answer")) for g, item in zip(gens, items)]
     scored = [c for c in correct if c is not None]
     return {
@@ -151,6 +155,7 @@ def summarise(gens: list[Generation], items: list[dict], reference: list[Generat
         "mean_accepted": sum(int(k) * v for k, v in hist.items()) / verify if verify else 0.0,
         "accepted_lengths": hist,
         "handoff_blocks": sum(g.stats["handoff_blocks"] for g in gens),
+        "round_endings": dict(sorted(endings.items())),
         "passes_per_prompt": [g.stats["target_passes"] for g in gens],
         "longest_repeat_per_prompt": [longest_repeat(g.token_ids) for g in gens],
         "accuracy": sum(scored) / len(scored) if scored else None,
