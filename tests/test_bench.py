@@ -24,6 +24,7 @@ from spot_dlm.bench.run import (
     is_correct,
     longest_repeat,
     reproduce_command,
+    round_ending_lines,
     run_bench,
     task_items,
 )
@@ -273,12 +274,26 @@ def test_format_table_mentions_every_method(report: dict) -> None:
     table = format_table(report)
     lines = table.splitlines()
     best = best_budgets(report["results"])
-    assert len(lines) == 2 + len(report["results"]) + len(best)
+    drafted = [r for r in report["results"] if r["budget"] is not None]
+    assert len(lines) == 2 + len(report["results"]) + len(best) + len(drafted)
     for method in METHODS:
         assert method in table
     for line, row in zip(lines[2:], report["results"]):
         assert row["method"] in line
-    assert all(line.startswith("best budget ") for line in lines[2 + len(report["results"]) :])
+    tail = lines[2 + len(report["results"]) :]
+    assert all(line.startswith("best budget ") for line in tail[: len(best)])
+    assert all(line.startswith("rounds end ") for line in tail[len(best) :])
+
+
+def test_round_endings_account_for_every_verify_pass(report: dict) -> None:
+    for row in report["results"]:
+        assert sum(row["round_endings"].values()) == sum(row["accepted_lengths"].values())
+        if row["budget"] is None:  # drafter-free: nothing drafted, so nothing drafted was wrong
+            assert set(row["round_endings"]) <= {"leaf", "block end"}
+    spot = find_row(report["results"], method="spot", budget=4, temperature=0.0)
+    line = next(x for x in round_ending_lines(report["results"]) if " spot 4:" in x and "T=0 " in x)
+    total = sum(spot["round_endings"].values())
+    assert line.endswith(f"({total})") and "wrong token" in line and "hand-off" in line
 
 
 def test_best_budgets_pick_the_measured_maxima() -> None:

@@ -414,7 +414,7 @@ def format_table(report: dict) -> str:
             f"{r['tokens_per_second']:>8.1f}{r['passes_ratio_vs_standard']:>8.2f}"
             f"{r['throughput_ratio_vs_standard']:>8.2f}{r['exact_match_vs_standard']:>6.2f}{accuracy:>9}"
         )
-    return "\n".join(lines + best_budget_lines(report["results"]))
+    return "\n".join(lines + best_budget_lines(report["results"]) + round_ending_lines(report["results"]))
 
 
 def best_budgets(results: list[dict]) -> dict[tuple, dict]:
@@ -443,6 +443,22 @@ def best_budget_lines(results: list[dict]) -> list[str]:
             f"{fast['passes_ratio_vs_standard']:.2f}x passes); by passes {few['budget']} "
             f"({few['passes_ratio_vs_standard']:.2f}x passes, {few['throughput_ratio_vs_standard']:.2f}x tok/s)"
         )
+    return lines
+
+
+def round_ending_lines(results: list[dict]) -> list[str]:
+    """Why the speculative rows' verify passes stopped, in shares of their rounds (reports that predate the count
+    have none)."""
+    from spot_dlm.decode import ROUND_ENDINGS
+
+    lines = []
+    for r in results:
+        endings = r.get("round_endings") or {}
+        total = sum(endings.values())
+        if r["budget"] is None or not total:
+            continue
+        shares = ", ".join(f"{name} {endings.get(name, 0) / total:.0%}" for name in ROUND_ENDINGS)
+        lines.append(f"rounds end {r['task']} T={r['temperature']:g} {r['method']} {r['budget']}: {shares} ({total})")
     return lines
 
 
