@@ -226,13 +226,16 @@ def round_ending(tree: DraftTree, node: int, next_state: torch.Tensor, mask_id: 
     """Why the walk stopped at ``node`` whose true next state is ``next_state`` (int64 [L]); see ``ROUND_ENDINGS``."""
     if not bool((next_state == mask_id).any()):
         return "hand-off" if tree.handoff(next_state) is not None else "block end"
+    below = [i for i, step in enumerate(tree.steps) if step == tree.steps[node] + 1]  # nodes one rule step below
+    if not below:
+        return "leaf"
     state = tree.states[node]  # [L]
     masked = state == mask_id  # [L]
-    one_below = torch.tensor([step == tree.steps[node] + 1 for step in tree.steps], device=state.device)  # [N]
-    extends = one_below & ((tree.states == state) | masked).all(-1)  # [N]: filled where ``state`` is, and agreeing
+    below = tree.states[below]  # [B, L]
+    extends = ((below == state) | masked).all(-1)  # [B]: filled where ``state`` is, and agreeing there
     if not bool(extends.any()):
         return "leaf"
-    filled = masked & (tree.states[extends] != mask_id)  # [C, L]: each child's new positions
+    filled = masked & (below[extends] != mask_id)  # [C, L]: each child's new positions
     same_positions = (filled == (masked & (next_state != mask_id))).all(-1)  # [C]
     return "wrong token" if bool(same_positions.any()) else "wrong position"
 
