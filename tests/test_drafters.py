@@ -1097,3 +1097,30 @@ def test_train_drafter_with_the_corrected_feature(standard_shards, corrected_sha
         plain_tokens = dataclasses.replace(neighbours, weight_greedy=0.0, weight_sampled=0.0)  # stale guesses
         check_one_commit_tree(SpotDrafter(model, budget=6, depth=3, neighbours=plain_tokens).propose(context), context)
         assert len(SpotDrafter(model, budget=6, depth=3, neighbours=neighbours).propose(context)) == 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_blocks_last_commit_is_handed_off_with_its_runner_up_tokens(temperature: float) -> None:
+    """A root with one masked position left: every child completes the block, the order cannot miss, only the token
+    can. With hand-offs SPOT drafts that commit's best guesses (rule's choice first) as hand-offs, as far as the
+    budget goes; without token survival to score them, or without hand-offs, only the rule's choice or nothing."""
+    from spot_dlm.drafters.token_survival import SURVIVAL_RANKS, SurvivalBucket, TokenSurvival
+
+    base = make_context(temperature)
+    root = torch.arange(3, 3 + L)  # no mask token (MASK = 2)
+    root[3] = MASK
+    parent = root.clone()
+    parent[5] = MASK  # the free commit filled position 5
+    context = dataclasses.replace(base, root=root, parent=parent, handoffs=True)
+    survival = TokenSurvival(greedy=(SurvivalBucket(1.0, 0.01),), sampled=(SurvivalBucket(1.0, 0.01),))
+    model = OrderModel(OrderModelConfig(top_k=8, d_model=16, n_layers=1, n_heads=2)).eval()
+    tree = SpotDrafter(model, budget=8, token_survival=survival).propose(context)
+    assert len(tree) == 1 and tree.n_handoffs == SURVIVAL_RANKS  # root + the last commit's best guesses
+    guesses = StaleGuesses(context).table(context.root_step, SURVIVAL_RANKS)
+    expected = guesses.tokens[guesses.rows(np.array([3])), :SURVIVAL_RANKS][0]  # best first, the rule's choice first
+    assert tree.handoffs[:, 3].tolist() == expected.tolist()
+    assert torch.equal(tree.handoffs[:, torch.arange(L) != 3], root[torch.arange(L) != 3].expand(SURVIVAL_RANKS, -1))
+    assert SpotDrafter(model, budget=3, token_survival=survival).propose(context).n_handoffs == 2  # the budget binds
+    assert SpotDrafter(model, budget=8).propose(context).n_handoffs == 1  # nothing scores runner-ups
+    without = dataclasses.replace(context, handoffs=False)
+    assert SpotDrafter(model, budget=8, token_survival=survival).propose(without).n_handoffs == 0

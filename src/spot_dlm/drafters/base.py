@@ -359,9 +359,59 @@ def one_commit_children(
             node, positions = np.repeat(node, alternatives), np.repeat(positions, alternatives)
             rank = np.tile(np.arange(alternatives), len(token_logprob))
         commit_token = None if tokens is None else tokens.ravel()  # [C * A], in the order of the children
-        return Children(node, values, rank, np.arange(len(node)), positions, commit_token)
+        proposed = Children(node, values, rank, np.arange(len(node)), positions, commit_token)
+        if guesses is not None and guesses.context.handoffs and token_survival is not None:
+            proposed = last_commit_alternatives(proposed, states.cpu().numpy(), steps, guesses, token_survival)
+        return proposed
 
     return children
+
+
+def last_commit_alternatives(
+    proposed: Children, states: np.ndarray, steps: list[int], guesses: StaleGuesses, survival: TokenSurvival
+) -> Children:
+    """One-commit children plus, for each commit that completes the block (a hand-off candidate), its runner-up
+    guesses up to ``SURVIVAL_RANKS``, each scored by its survival probability. A block's last commit has one position
+    to choose, so the order cannot miss there; only its token can, and a missed hand-off costs the next block a pass
+    of its own. Best-first growth then spends budget on them only where they beat other nodes.
+    states int64 [B, L] on the host (the parents), steps [B]"""
+    context = guesses.context
+    last = (states == context.mask_id).sum(-1)[proposed.node] == 1  # [C]: the parent has one masked position left
+    last &= proposed.rank == 0
+    if not last.any():
+        return proposed
+    tokens = proposed.commit_token
+    if tokens is None:  # the step's stale guesses of each rank: spell them out, the new children carry their own
+        tokens = np.empty(len(proposed.node), dtype=np.int64)
+        child_step = np.asarray(steps)[proposed.node]
+        for step, same in step_groups(child_step):
+            for r in np.unique(proposed.rank[same]).tolist():
+                rows = same[proposed.rank[same] == r]
+                tokens[rows] = guesses.tokens(step, r).cpu().numpy()[proposed.commit_position[rows]]
+    children = np.flatnonzero(last)  # [F]
+    node, position = proposed.node[children], proposed.commit_position[children]  # [F] each
+    extra_node, extra_logprob, extra_rank, extra_position, extra_token = [], [], [], [], []
+    for step, same in step_groups(np.asarray(steps)[node]):
+        ranked, scores = guesses.child_guesses(step, states[node[same]], position[same], SURVIVAL_RANKS)  # [R, f]
+        staleness = step - context.root_step + 1
+        log_probs = survival.log_probs(torch.from_numpy(scores), context.rule.temperature, staleness).numpy()
+        for r in range(int(proposed.rank.max()) + 1, ranked.shape[0]):  # ranks not proposed yet
+            keep = np.isfinite(scores[r])  # tiny vocabularies: fewer guesses than ranks
+            extra_node.append(node[same][keep])
+            extra_logprob.append(log_probs[r][keep])
+            extra_rank.append(np.full(int(keep.sum()), r))
+            extra_position.append(position[same][keep])
+            extra_token.append(ranked[r][keep])
+    node_all = np.concatenate([proposed.node, *extra_node])
+    order = np.argsort(node_all, kind="stable")  # grouped by parent again, the new children after their siblings
+    return Children(
+        node_all[order],
+        np.concatenate([proposed.logprob, *extra_logprob])[order],
+        np.concatenate([proposed.rank, *extra_rank])[order],
+        np.arange(len(order)),
+        np.concatenate([proposed.commit_position, *extra_position])[order],
+        np.concatenate([tokens, *extra_token])[order],
+    )
 
 
 def _admission_bar(best_per_state: dict[bytes, float], top: list[bytes], keep: int) -> tuple[float, list[bytes]]:
