@@ -226,12 +226,12 @@ def round_ending(tree: DraftTree, node: int, next_state: torch.Tensor, mask_id: 
     """Why the walk stopped at ``node`` whose true next state is ``next_state`` (int64 [L]); see ``ROUND_ENDINGS``."""
     if not bool((next_state == mask_id).any()):
         return "hand-off" if tree.handoff(next_state) is not None else "block end"
-    below = [i for i, step in enumerate(tree.steps) if step == tree.steps[node] + 1]  # nodes one rule step below
-    if not below:
+    one_below = [i for i, step in enumerate(tree.steps) if step == tree.steps[node] + 1]
+    if not one_below:
         return "leaf"
     state = tree.states[node]  # [L]
     masked = state == mask_id  # [L]
-    below = tree.states[below]  # [B, L]
+    below = tree.states[one_below]  # [B, L]
     extends = ((below == state) | masked).all(-1)  # [B]: filled where ``state`` is, and agreeing there
     if not bool(extends.any()):
         return "leaf"
@@ -277,6 +277,7 @@ def decode_block(
     that read the text before the block; ``opening`` replaces this block's first pass (``finished`` is then in its
     cache already); ``handoffs``: drafters may hand off to the next block."""
     mask_id, length = target.mask_id, settings.block_length
+    stop_id = target.eos_id if settings.stop_at_eos else None  # no hand-off of a block that ends decoding
     device = getattr(target, "device", torch.device("cpu"))
     state = torch.full((length,), mask_id, dtype=torch.int64, device=device)
     trace = _BlockTrace(
@@ -323,7 +324,7 @@ def decode_block(
             prefix=prefix,
             block_memo=block_memo,
             handoffs=handoffs,
-            stop_id=target.eos_id if settings.stop_at_eos else None,
+            stop_id=stop_id,
         )
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick

@@ -321,10 +321,10 @@ def one_commit_children(
         log_probs = token_survival.log_probs(torch.from_numpy(scores), context.rule.temperature, staleness)
         return log_probs[:alternatives].T.cpu().numpy()
 
-    def per_parent(states: torch.Tensor, child_step: np.ndarray, node: np.ndarray, positions: np.ndarray):
+    def per_parent(states: np.ndarray, child_step: np.ndarray, node: np.ndarray, positions: np.ndarray):
         """Tokens chosen for each child's own parent (neighbour correction), with their log-probabilities:
-        int64 [C, A] and float64 [C, A] (zeros when nothing scores tokens)."""
-        parents = states.cpu().numpy()[node]  # [C, L]
+        int64 [C, A] and float64 [C, A] (zeros when nothing scores tokens). states int64 [B, L] on the host"""
+        parents = states[node]  # [C, L]
         tokens = np.empty((len(node), alternatives), dtype=np.int64)
         token_logprob = np.zeros((len(node), alternatives))
         for step, same in step_groups(child_step):
@@ -346,11 +346,12 @@ def one_commit_children(
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
         scores = scorer(states, steps).detach().cpu()  # [B, L]; ranked on the host
+        host = states.cpu().numpy()  # [B, L]
         node, values, positions = top_positions(scores, keep)  # [C] each
         child_step = np.asarray(steps)[node]  # [C]
         tokens = None  # int64 [C, A] when chosen per parent; None: the step's stale guesses
         if per_node:
-            tokens, token_logprob = per_parent(states, child_step, node, positions)
+            tokens, token_logprob = per_parent(host, child_step, node, positions)
         elif alternatives > 1 or token_survival is not None:
             token_logprob = per_step(child_step, positions)
         rank = np.zeros_like(node)
@@ -361,7 +362,7 @@ def one_commit_children(
         commit_token = None if tokens is None else tokens.ravel()  # [C * A], in the order of the children
         proposed = Children(node, values, rank, np.arange(len(node)), positions, commit_token)
         if guesses is not None and guesses.context.handoffs and token_survival is not None:
-            proposed = last_commit_alternatives(proposed, states.cpu().numpy(), steps, guesses, token_survival)
+            proposed = last_commit_alternatives(proposed, host, steps, guesses, token_survival)
         return proposed
 
     return children
@@ -383,11 +384,8 @@ def last_commit_alternatives(
     tokens = proposed.commit_token
     if tokens is None:  # the step's stale guesses of each rank: spell them out, the new children carry their own
         tokens = np.empty(len(proposed.node), dtype=np.int64)
-        child_step = np.asarray(steps)[proposed.node]
-        for step, same in step_groups(child_step):
-            for r in np.unique(proposed.rank[same]).tolist():
-                rows = same[proposed.rank[same] == r]
-                tokens[rows] = guesses.tokens(step, r).cpu().numpy()[proposed.commit_position[rows]]
+        for step, same in step_groups(np.asarray(steps)[proposed.node]):
+            tokens[same] = stale_tokens(guesses, step, proposed.rank[same], proposed.commit_position[same])
     children = np.flatnonzero(last)  # [F]
     node, position = proposed.node[children], proposed.commit_position[children]  # [F] each
     extra_node, extra_logprob, extra_rank, extra_position, extra_token = [], [], [], [], []
@@ -531,12 +529,17 @@ def _commit(states: np.ndarray, proposed: Children, guesses: StaleGuesses, step:
         made = states.take(proposed.node, axis=0)  # [C, L]
         made[proposed.commit_child, proposed.commit_position] = proposed.commit_token
         return made
-    n_ranks = int(proposed.rank.max()) + 1 if len(proposed.rank) else 1
-    table = np.stack([guesses.tokens(step, rank).cpu().numpy() for rank in range(n_ranks)])  # [R, L]
     child, position = proposed.commit_child, proposed.commit_position  # [P] each
     made = states.take(proposed.node, axis=0)  # [C, L]
-    made[child, position] = table[0, position] if n_ranks == 1 else table[proposed.rank[child], position]
+    made[child, position] = stale_tokens(guesses, step, proposed.rank[child], position)
     return made
+
+
+def stale_tokens(guesses: StaleGuesses, step: int, rank: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """The step's stale coupled guess of the given rank at each position. rank, position int64 [P] -> int64 [P]"""
+    n_ranks = int(rank.max()) + 1 if len(rank) else 1
+    table = np.stack([guesses.tokens(step, r).cpu().numpy() for r in range(n_ranks)])  # [R, L]
+    return table[rank, position]
 
 
 def _assemble(context: DraftContext, grown: _Levels, budget: int, root: torch.Tensor) -> DraftTree:

@@ -60,6 +60,8 @@ def block_diffusion_loss(
     the target of each masked position is the teacher's distribution on the same noisy input instead of the clean
     token (distillation: soft cross-entropy, i.e. KL to the teacher plus its entropy).
     """
+    if teacher is not None and nelbo:
+        raise ValueError("distillation trains on the teacher's distributions, not the masked-diffusion bound")
     batch, seq_len = tokens.shape
     noisy, is_masked, ratio = mask_blocks(tokens, block_length, model.config.mask_id, generator)
     inputs = torch.cat([tokens, noisy], 1)  # [B, 2T]: the two-stream input
@@ -70,8 +72,6 @@ def block_diffusion_loss(
     logits = masked_logits(model, inputs, positions, mask, targets, block_length)  # [M, V]
     n_tokens = int(targets.sum())
     if teacher is not None:
-        if nelbo:
-            raise ValueError("distillation trains on the teacher's distributions, not the masked-diffusion bound")
         if n_tokens == 0:
             return LossOutput(loss=logits.sum() * 0.0, n_tokens=0)
         with torch.no_grad():
