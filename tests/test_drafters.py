@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.base import (
+    StaleGuesses,
+    grow_tree,
+    largest_values,
+    masked_log_normalise,
+    stale_log_normaliser,
+)
 from spot_dlm.drafters.calibrated import load_rank_counts, rank_path_counts, save_rank_counts, select_rank_paths
 from spot_dlm.drafters.order_model import (
     OrderModel,
@@ -23,6 +29,7 @@ from spot_dlm.drafters.order_model import (
     SpotDrafter,
     freeze_order_model,
     load_order_model,
+    one_host_thread,
     order_features,
     save_order_model,
     stale_top_probs,
@@ -590,6 +597,20 @@ def test_frozen_order_model_gives_the_same_logits_bit_for_bit(
         frozen(torch.rand(1, 17, model.config.n_features))
 
 
+def test_one_host_thread_runs_on_one_thread_and_restores_the_count() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_host_thread(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), one_host_thread(torch.device("cpu")):
+            raise RuntimeError("restored on the way out")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_freezing_leaves_the_trainable_model_alone(saved_order_model: tuple[OrderModel, Path]) -> None:
     model, _ = saved_order_model
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -657,6 +678,27 @@ def test_stale_top_probs_excludes_mask_and_sorts() -> None:
     expected = torch.softmax(torch.cat([logits[:, :MASK], logits[:, MASK + 1 :]], -1), -1).topk(8).values
     assert torch.allclose(top, expected.float(), atol=1e-6)
     assert bool((top[:, :-1] >= top[:, 1:]).all())
+    known = stale_top_probs(logits, MASK, top_k=8, log_normaliser=stale_log_normaliser(logits, MASK))
+    assert torch.allclose(known, top, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_largest_values_are_topk_values(dtype: torch.dtype) -> None:
+    """The host partition gives ``topk``'s values, largest first, ties and -inf included, for every k."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (3, 7, 12), generator=generator).to(dtype)  # many ties
+    x[0, 0, :5] = float("-inf")
+    for k in (1, 5, 12):
+        top = largest_values(x, k)
+        assert top.dtype == dtype and top.is_contiguous()
+        assert torch.equal(top, x.topk(k, dim=-1).values)
+
+
+def test_stale_log_normaliser_leaves_out_the_mask_token() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    without_mask = torch.cat([logits[:, :MASK], logits[:, MASK + 1 :]], -1)
+    assert torch.allclose(stale_log_normaliser(logits, MASK), torch.logsumexp(without_mask, -1), atol=1e-12)
+    assert stale_log_normaliser(logits.float(), MASK).dtype == torch.float32
 
 
 @pytest.mark.parametrize("temperature_feature", [False, True])

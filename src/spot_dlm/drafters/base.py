@@ -67,9 +67,30 @@ class GuessTable:
         return rows
 
 
-def guess_table(context: DraftContext, step_index: int, rank0: torch.Tensor, count: int) -> GuessTable:
+def stale_log_normaliser(stale_logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """``log sum_v exp Z[j, v]`` over the vocabulary without the mask token, per position, in the logits' precision
+    (at least float32). [L, V] -> [L]"""
+    z = stale_logits.to(torch.promote_types(stale_logits.dtype, torch.float32), copy=True)
+    z[..., mask_id] = float("-inf")
+    return torch.logsumexp(z, dim=-1)
+
+
+def largest_values(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest values of each row, largest first: ``x.topk(k).values``. [..., V] -> [..., k]
+
+    On the host a partition is several times faster than ``topk`` at a vocabulary's width (numpy, 2048 wide: 80 us
+    against 280 us for 32 rows)."""
+    if x.device.type != "cpu":
+        return x.topk(k, dim=-1).values
+    top = np.partition(x.numpy(), x.shape[-1] - k, axis=-1)[..., -k:]  # [..., k], unordered
+    return torch.from_numpy(np.sort(top, axis=-1)[..., ::-1].copy())
+
+
+def guess_table(
+    context: DraftContext, step_index: int, rank0: torch.Tensor, count: int, log_normaliser: torch.Tensor
+) -> GuessTable:
     """The ``count`` best coupled guesses at the stale-masked positions under the noise of ``step_index``, the
-    rule's choice ``rank0`` (int64 [L]) first."""
+    rule's choice ``rank0`` (int64 [L]) first. log_normaliser [L]: ``stale_log_normaliser`` of the stale logits."""
     stale_masked = context.parent == context.mask_id  # [L]
     positions = torch.nonzero(stale_masked).flatten()  # [M]
     z = context.stale_logits[positions].to(torch.float64)  # [M, V], a copy
@@ -82,11 +103,9 @@ def guess_table(context: DraftContext, step_index: int, rank0: torch.Tensor, cou
     index = torch.from_numpy(tokens).to(z.device)
     row = np.full(stale_masked.shape[0], -1, dtype=np.int64)
     row[positions.cpu().numpy()] = np.arange(len(positions))
+    logprob = z.gather(1, index) - log_normaliser[positions, None].to(torch.float64)  # [M, R]
     return GuessTable(
-        row=row,
-        tokens=tokens,
-        scores=coupled.gather(1, index).cpu().numpy(),
-        logprob=torch.log_softmax(z, dim=-1).gather(1, index).cpu().numpy(),
+        row=row, tokens=tokens, scores=coupled.gather(1, index).cpu().numpy(), logprob=logprob.cpu().numpy()
     )
 
 
@@ -131,7 +150,7 @@ class StaleGuesses:
         key = self._key(step_index)
         table = self._tables.get(key)
         if table is None or table.ranks < min(count, self.context.stale_logits.shape[-1]):
-            table = guess_table(self.context, key, self.at(key).tokens, max(count, CANDIDATES))
+            table = guess_table(self.context, key, self.at(key).tokens, max(count, CANDIDATES), self.log_normaliser)
             self._tables[key] = table
         return table
 
@@ -205,9 +224,17 @@ class StaleGuesses:
 
     def stale_logprobs(self, positions: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Stale log-probabilities of tokens at positions. positions int64 [C], tokens int64 [C, A] -> [C, A]"""
-        z = self.context.stale_logits[torch.from_numpy(positions)].to(torch.float64)  # [C, V]
-        z[:, self.context.mask_id] = float("-inf")
-        return torch.log_softmax(z, dim=-1).gather(1, torch.from_numpy(tokens).to(z.device)).cpu().numpy()
+        at = torch.from_numpy(positions).to(self.context.stale_logits.device)
+        index = torch.from_numpy(tokens).to(at.device)
+        logits = self.context.stale_logits[at].gather(1, index).to(torch.float64)  # [C, A]
+        logits[index == self.context.mask_id] = float("-inf")  # never a guess (tiny vocabularies: a last rank)
+        return (logits - self.log_normaliser[at, None].to(torch.float64)).cpu().numpy()
+
+    @functools.cached_property
+    def log_normaliser(self) -> torch.Tensor:
+        """The stale pass's log-normaliser per position (``stale_log_normaliser``) [L]: computed once per round for
+        every stale probability the drafter reads."""
+        return stale_log_normaliser(self.context.stale_logits, self.context.mask_id)
 
     @functools.cached_property
     def _stale_pass(self) -> StalePass:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,7 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import TOP_K_FEATURES, StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.base import (
+    TOP_K_FEATURES,
+    StaleGuesses,
+    grow_tree,
+    largest_values,
+    masked_log_normalise,
+)
 from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.token_survival import TokenSurvival
 from spot_dlm.models.checkpoint import check_state_dict, load_weights
@@ -182,8 +190,26 @@ class FrozenOrderModel:
     def __call__(self, features: torch.Tensor) -> torch.Tensor:
         """features float32 [B, L, F] -> logits [B, L], as ``OrderModel.forward``."""
         check_block_length(features.shape[1], self.config)
-        with torch.no_grad():
+        with torch.no_grad(), one_host_thread(self.device):
             return self.graph(features)
+
+
+@contextmanager
+def one_host_thread(device: torch.device) -> Iterator[None]:
+    """Run torch's host ops on one thread inside the block, then restore the thread count.
+
+    An order model's matrices (a few blocks of 32 positions, width 64 to 128) are too small to split: on two CPU
+    threads its forward took 0.51 ms against 0.40 ms on one (setting the count costs nothing measurable), while the
+    target's passes around it keep every thread. Not for concurrent use of torch from several Python threads."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def freeze_order_model(model: OrderModel) -> FrozenOrderModel:
@@ -196,14 +222,18 @@ def freeze_order_model(model: OrderModel) -> FrozenOrderModel:
     return FrozenOrderModel(config=model.config, device=model.device, graph=graph)
 
 
-def stale_top_probs(stale_logits: torch.Tensor, mask_id: int, top_k: int = TOP_K_FEATURES) -> torch.Tensor:
+def stale_top_probs(
+    stale_logits: torch.Tensor, mask_id: int, top_k: int = TOP_K_FEATURES, log_normaliser: torch.Tensor | None = None
+) -> torch.Tensor:
     """Sorted top-k probabilities of the stale distributions (mask token excluded). [L, V] -> float32 [L, k]
 
-    Only the k largest logits are exponentiated, against the log-normaliser; float32 is ample (shards store
-    these features in float16)."""
+    Only the k largest logits are exponentiated, against the log-normaliser (``log_normaliser`` [L] when
+    already known: ``stale_log_normaliser``); float32 is ample (shards store these features in float16)."""
     z = stale_logits.to(torch.float32, copy=True)
     z[..., mask_id] = float("-inf")
-    return (z.topk(top_k, dim=-1).values - torch.logsumexp(z, dim=-1, keepdim=True)).exp()
+    if log_normaliser is None:
+        log_normaliser = torch.logsumexp(z, dim=-1)
+    return (largest_values(z, top_k) - log_normaliser[..., None].to(torch.float32)).exp()
 
 
 def order_features(
@@ -247,15 +277,18 @@ class StaleView:
     config: OrderModelConfig
 
     @classmethod
-    def of(cls, context: DraftContext, config: OrderModelConfig) -> StaleView:
-        """The trend inputs are only computed when the model reads them (a softmax over the vocabulary)."""
+    def of(
+        cls, context: DraftContext, config: OrderModelConfig, log_normaliser: torch.Tensor | None = None
+    ) -> StaleView:
+        """The trend inputs are only computed when the model reads them (a softmax over the vocabulary).
+        ``log_normaliser``: the stale pass's, when known (float32 [L], ``StaleGuesses.log_normaliser``)."""
         previous, has_previous = None, 0.0
         if config.previous_feature and context.previous_logits is not None:
             previous, has_previous = stale_top_probs(context.previous_logits, context.mask_id, 1)[:, 0], 1.0
         elif config.previous_feature:
             previous = torch.zeros(context.root.shape[0], device=context.root.device)
         return cls(
-            top_probs=stale_top_probs(context.stale_logits, context.mask_id, config.top_k),
+            top_probs=stale_top_probs(context.stale_logits, context.mask_id, config.top_k, log_normaliser),
             stale_masked=context.parent == context.mask_id,
             previous_top1=previous,
             has_previous=has_previous,
@@ -366,7 +399,7 @@ class SpotDrafter:
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context, self.neighbours)
-        view = StaleView.of(context, self.model.config)
+        view = StaleView.of(context, self.model.config, guesses.log_normaliser)
         reads_corrected = self.model.config.corrected_feature
         stale_masked = view.stale_masked  # [L]
         memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)
