@@ -187,7 +187,8 @@ def test_cli_generate_json(
 
 
 def test_cli_order_model_option(capsys: pytest.CaptureFixture, checkpoint_dir: Path, tmp_path: Path) -> None:
-    """--order-model small reads the drafter folder's small/ model, and says so clearly when there is none."""
+    """--order-model small reads the drafter folder's small/ model, and says so clearly when there is none; none
+    drafts without one (and needs the confidence prior)."""
     from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, save_order_model
 
     folder = tmp_path / "drafter"
@@ -200,6 +201,12 @@ def test_cli_order_model_option(capsys: pytest.CaptureFixture, checkpoint_dir: P
     assert code == 0, err
     standard = run_cli(capsys, *generate_args(checkpoint_dir, "--prompt", PROMPT, "--json"))[1]
     assert json.loads(out)["token_ids"] == json.loads(standard)["token_ids"]
+    code, out, err = run_cli(capsys, *generate_args(checkpoint_dir, *spot, "--order-model", "none"))
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == json.loads(standard)["token_ids"]
+    without_prior = ("--order-model", "none", "--confidence-prior", "0")
+    code, _, err = run_cli(capsys, *generate_args(checkpoint_dir, *spot, *without_prior))
+    assert code == 2 and "confidence prior ranks positions alone" in err
 
 
 def test_cli_demo_runs_the_main_job(capsys: pytest.CaptureFixture) -> None:

@@ -597,6 +597,23 @@ def test_frozen_order_model_gives_the_same_logits_bit_for_bit(
         frozen(torch.rand(1, 17, model.config.n_features))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_spot_drafter_without_an_order_model_ranks_positions_by_the_prior(temperature: float) -> None:
+    """No order model: the position distribution is the coupled confidence to the power w, renormalised; its first
+    level is the stale-confidence ranking."""
+    context = make_context(temperature, seed=5)
+    tree = SpotDrafter(None, budget=4, depth=1, confidence_prior=50.0).propose(context)
+    confidence = StaleGuesses(context).at(context.root_step).confidence  # [L]
+    allowed = context.root == MASK
+    best = torch.where(allowed, confidence, torch.full_like(confidence, float("-inf"))).topk(3).indices
+    drafted = [int(torch.nonzero(tree.states[i] != context.root)[0, 0]) for i in range(1, len(tree.parents))]
+    assert drafted == best.tolist()
+    deep = SpotDrafter(None, budget=12, depth=6).propose(context)
+    assert len(deep.parents) == 12 and max(deep.steps) > context.root_step
+    with pytest.raises(ValueError, match="must be > 0"):
+        SpotDrafter(None, confidence_prior=0.0)
+
+
 def test_one_host_thread_runs_on_one_thread_and_restores_the_count() -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(2)

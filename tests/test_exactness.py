@@ -243,6 +243,9 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
         if name == "spot-nb-prior":  # the confidence prior reads the corrected confidence too
             extra = {"confidence_prior": 3.0, "neighbour_prior": True}
         return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
+    if name == "spot-none-nb-ts":  # no order model: the neighbour-corrected stale confidence ranks positions alone
+        extra = {"token_survival": SURVIVAL, "confidence_prior": 3.0}
+        return SpotDrafter(None, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
     if name in ("spot-lm", "spot-lm-ts-alt2-prior"):  # tokens re-ranked by a small LM's change of belief (+ bigram)
         model = trained if trained is not None else random_order_model(case.seed % 2)
         extra = {}
@@ -492,6 +495,7 @@ def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, tra
         "spot-nb-ts-alt2",
         "spot-nb-prior",
         "spot-nb-corrected",
+        "spot-none-nb-ts",
         "order-oracle-nb",
         "spot-lm",
         "spot-lm-ts-alt2-prior",

@@ -55,7 +55,7 @@ def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
     return None
 
 
-ORDER_MODEL_SIZES = ("auto", "paper", "small")
+ORDER_MODEL_SIZES = ("auto", "paper", "small", "none")
 SMALL_ORDER_MODEL = "small"  # the sub-folder of a drafter folder that holds its smaller order model, if any
 
 
@@ -81,14 +81,18 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.token_survival import load_token_survival
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
-    model = load_order_model(order_model_folder(config, target, folder))
+    model = None  # "none": the neighbour-corrected stale confidence (the prior) ranks positions alone
+    if config.order_model != "none":
+        model = freeze_order_model(
+            load_order_model(order_model_folder(config, target, folder)).to(target_device(target))
+        )
     survival = load_token_survival(folder) if config.token_survival else None
     fit = neighbour_fit(config, target, folder)
     neighbours = None
     if fit is not None:  # the corrected guesses come with the survival fitted on them
         neighbours, survival = fit[0], (fit[1] if config.token_survival else None)
     return SpotDrafter(
-        freeze_order_model(model.to(target_device(target))),
+        model,
         budget=config.budget,
         depth=config.depth,
         alternatives=config.alternatives,
@@ -215,7 +219,10 @@ class GenerateConfig:
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
     token_lm: bool = False  # spot, spot-sets: re-rank by the drafter folder's small LM (token_lm/) and its bigram
     handoffs: bool = True  # speculative methods: a round may also do the next block's first pass (targets that can)
-    order_model: str = "auto"  # spot: paper (0.6M), small (the folder's small/), auto (small on a CPU if there is one)
+    order_model: str = (
+        "auto"  # spot: paper (0.6M), small (the folder's small/), auto (small on a CPU if there is one),
+    )
+    # none (the confidence prior alone ranks positions)
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 

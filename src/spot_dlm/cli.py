@@ -509,7 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--order-model",
         choices=ORDER_MODEL_SIZES,
         default="auto",
-        help="spot: the paper-sized order model, the drafter folder's small one, or auto (small on a CPU, if any)",
+        help="spot: the paper-sized order model, the drafter folder's small one, auto (small on a CPU, if any), or "
+        "none (the neighbour-corrected stale confidence ranks positions alone; needs --confidence-prior > 0)",
     )
     gen.add_argument(
         "--no-neighbour-prior",

@@ -188,10 +188,10 @@ def method_options(method: str) -> tuple[str, dict]:
     plain stale tokens (neighbour_tokens=False); ``spot-lm1`` re-ranks them by the drafter folder's small token LM
     too (token_lm=True); ``spot-np0`` keeps the stale confidence in the prior
     (neighbour_prior=False); ``spot-ho0`` drafts no hand-offs to the next block (handoffs=False). ``spot-small`` /
-    ``spot-paper`` pick the order model's size (order_model; default auto: see api). They combine in the order -pN,
-    -altN, -rN, -mN, -tsN, -nbN, -lmN, -npN, -hoN, -small: ``spot-p3-alt2-r2-m50-ts0-nb0-np0-ho0``."""
+    ``spot-paper`` / ``spot-none`` pick the order model (order_model; default auto: see api). They combine in the
+    order -pN, -altN, -rN, -mN, -tsN, -nbN, -lmN, -npN, -hoN, -small: ``spot-p3-alt2-r2-m50-ts0-nb0-np0-ho0``."""
     base, options = method, {}
-    for size in ("small", "paper"):
+    for size in ("small", "paper", "none"):
         if base.endswith(f"-{size}"):
             base, options["order_model"] = base[: -len(size) - 1], size
     suffixes = (

@@ -377,7 +377,7 @@ class SpotDrafter:
     confidence moves with their neighbours, and the rule ranks positions by it).
     """
 
-    model: OrderModel | FrozenOrderModel
+    model: OrderModel | FrozenOrderModel | None  # None: the confidence prior alone ranks positions
     budget: int = 16
     depth: int = DEFAULT_DEPTH
     alternatives: int = 1  # tokens tried per position (1: the stale coupled guess only)
@@ -390,7 +390,9 @@ class SpotDrafter:
     name: str = "spot"
 
     def __post_init__(self) -> None:
-        if self.model.config.corrected_feature and self.neighbours is None:
+        if self.model is None and not self.confidence_prior > 0:
+            raise ValueError("without an order model the confidence prior ranks positions alone: it must be > 0")
+        if self.model is not None and self.model.config.corrected_feature and self.neighbours is None:
             raise ValueError(
                 "this order model reads the neighbour-corrected confidence: it needs the drafter folder's bigram fit "
                 "(neighbour tokens on)"
@@ -399,9 +401,9 @@ class SpotDrafter:
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context, self.neighbours)
-        view = StaleView.of(context, self.model.config, guesses.log_normaliser)
-        reads_corrected = self.model.config.corrected_feature
-        stale_masked = view.stale_masked  # [L]
+        view = None if self.model is None else StaleView.of(context, self.model.config, guesses.log_normaliser)
+        reads_corrected = self.model is not None and self.model.config.corrected_feature
+        stale_masked = context.parent == context.mask_id  # [L]
         memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)
 
         def coupled_confidence(steps: list[int]) -> torch.Tensor:
@@ -425,16 +427,16 @@ class SpotDrafter:
                     return found
             return None
 
-        def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+        def order_logits(states: torch.Tensor, coupled: torch.Tensor, corrected: torch.Tensor | None) -> torch.Tensor:
+            """The order model's logits for B nodes, float64 [B, L]: run, or inherited on levels that skip it; zeros
+            without a model (the confidence prior then ranks positions alone)."""
+            if self.model is None:
+                return torch.zeros(states.shape, dtype=torch.float64, device=states.device)
             rows = [None] * states.shape[0]
             if self.refresh_every > 1:
                 level = int((stale_masked & (states[0] != context.mask_id)).sum()) - 1  # commits after the root
                 if level % self.refresh_every:
                     rows = [inherited(state) for state in states]
-            coupled = coupled_confidence(steps)  # [B, L]
-            corrected = None  # [B, L]: the neighbour-corrected confidence, when the model or the prior reads it
-            if self.neighbours is not None and (reads_corrected or (self.confidence_prior and self.neighbour_prior)):
-                corrected = guesses.node_confidence(coupled, steps, states.cpu().numpy()).to(states.device)
             missing = [i for i, row in enumerate(rows) if row is None]
             if missing:
                 read = None if corrected is None else corrected[missing]
@@ -443,7 +445,14 @@ class SpotDrafter:
                     rows[i] = logits
                     if self.refresh_every > 1:  # only levels that skip the model read the memo
                         memo[states[i].cpu().numpy().tobytes()] = logits
-            logits = torch.stack(rows).to(torch.float64)  # [B, L]
+            return torch.stack(rows).to(torch.float64)
+
+        def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
+            coupled = coupled_confidence(steps)  # [B, L]
+            corrected = None  # [B, L]: the neighbour-corrected confidence, when the model or the prior reads it
+            if self.neighbours is not None and (reads_corrected or (self.confidence_prior and self.neighbour_prior)):
+                corrected = guesses.node_confidence(coupled, steps, states.cpu().numpy()).to(states.device)
+            logits = order_logits(states, coupled, corrected)  # [B, L]
             if self.confidence_prior:
                 prior = corrected if self.neighbour_prior and corrected is not None else coupled
                 logits = logits + self.confidence_prior * prior.to(logits.device).clamp_min(1e-12).log()
