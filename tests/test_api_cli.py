@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spot_dlm import cli
-from spot_dlm.api import GenerateConfig, Generation, cut_at_eos, generate, load_target
+from spot_dlm.api import GenerateConfig, Generation, cut_at_eos, generate, load_target, make_drafter, runs_order_model
 from spot_dlm.models.base import ScoreResult
 from spot_dlm.models.builtin import BuiltinTarget, PrefixCache
 from spot_dlm.models.checkpoint import CONFIG_FILE
@@ -207,6 +207,23 @@ def test_cli_order_model_option(capsys: pytest.CaptureFixture, checkpoint_dir: P
     without_prior = ("--order-model", "none", "--confidence-prior", "0")
     code, _, err = run_cli(capsys, *generate_args(checkpoint_dir, *spot, *without_prior))
     assert code == 2 and "confidence prior ranks positions alone" in err
+
+
+def test_auto_order_model_drafts_one_node_on_a_cpu_without_the_model(tmp_path: Path) -> None:
+    """auto skips the order model only where it was measured not to pay: budget 2, a CPU target, and a confidence
+    prior corrected for fresh neighbours; every explicit choice is kept."""
+    target, _ = load_target()  # the shipped target on the CPU, with the shipped drafter (bigram fit included)
+
+    def runs(corrected: bool = True, **options) -> bool:
+        return runs_order_model(GenerateConfig(method="spot", **options), target, corrected)
+
+    assert not runs(budget=2) and not runs(budget=2, order_model="none") and not runs(budget=16, order_model="none")
+    assert runs(budget=3) and runs(budget=2, corrected=False) and runs(budget=2, confidence_prior=0.0)
+    assert runs(budget=2, order_model="small") and runs(budget=2, order_model="paper")
+    assert make_drafter(GenerateConfig(method="spot", budget=2), target).model is None
+    assert make_drafter(GenerateConfig(method="spot", budget=16), target).model is not None
+    plain = GenerateConfig(method="spot", budget=2, neighbour_tokens=False)  # no correction: the model drafts
+    assert make_drafter(plain, target).model is not None
 
 
 def test_cli_demo_runs_the_main_job(capsys: pytest.CaptureFixture) -> None:

@@ -509,8 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--order-model",
         choices=ORDER_MODEL_SIZES,
         default="auto",
-        help="spot: the paper-sized order model, the drafter folder's small one, auto (small on a CPU, if any), or "
-        "none (the neighbour-corrected stale confidence ranks positions alone; needs --confidence-prior > 0)",
+        help="spot: the paper-sized order model, the drafter folder's small one, none (the neighbour-corrected stale "
+        "confidence ranks positions alone; needs --confidence-prior > 0), or auto (on a CPU: none at budget 2, "
+        "else the small one if any)",
     )
     gen.add_argument(
         "--no-neighbour-prior",

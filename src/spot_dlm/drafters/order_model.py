@@ -375,6 +375,10 @@ class SpotDrafter:
     (``drafters/neighbours.py``); ``token_survival`` must then be the fit of those corrected guesses. With
     ``neighbour_prior`` the confidence prior reads the corrected guess's confidence at those positions (their
     confidence moves with their neighbours, and the rule ranks positions by it).
+
+    Without an order model (``model`` None) the prior ranks positions alone: each node's next-commit distribution is
+    the (corrected) stale coupled confidence to the power w, renormalised. One drafted node deep that is as good a
+    guess as the model's on the built-in target, and it skips the model's features and forward (see README).
     """
 
     model: OrderModel | FrozenOrderModel | None  # None: the confidence prior alone ranks positions
