@@ -699,9 +699,10 @@ def test_stale_top_probs_excludes_mask_and_sorts() -> None:
     assert torch.allclose(known, top, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_largest_values_are_topk_values(dtype: torch.dtype) -> None:
-    """The host partition gives ``topk``'s values, largest first, ties and -inf included, for every k."""
+    """The host partition gives ``topk``'s values, largest first, ties and -inf included, for every k (dtypes numpy
+    lacks take ``topk`` itself)."""
     generator = torch.Generator().manual_seed(3)
     x = torch.randint(-4, 5, (3, 7, 12), generator=generator).to(dtype)  # many ties
     x[0, 0, :5] = float("-inf")

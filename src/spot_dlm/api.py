@@ -231,10 +231,9 @@ class GenerateConfig:
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
     token_lm: bool = False  # spot, spot-sets: re-rank by the drafter folder's small LM (token_lm/) and its bigram
     handoffs: bool = True  # speculative methods: a round may also do the next block's first pass (targets that can)
-    order_model: str = (
-        "auto"  # spot: paper (0.6M), small (the folder's small/), auto (small on a CPU if there is one),
-    )
-    # none (the confidence prior alone ranks positions)
+    # spot: paper (0.6M), small (the folder's small/), none (the confidence prior alone ranks positions), auto (on a
+    # CPU: none at budget 2, else small if there is one; see runs_order_model)
+    order_model: str = "auto"
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
 

@@ -281,7 +281,7 @@ class StaleView:
         cls, context: DraftContext, config: OrderModelConfig, log_normaliser: torch.Tensor | None = None
     ) -> StaleView:
         """The trend inputs are only computed when the model reads them (a softmax over the vocabulary).
-        ``log_normaliser``: the stale pass's, when known (float32 [L], ``StaleGuesses.log_normaliser``)."""
+        ``log_normaliser``: the stale pass's, when known ([L], ``StaleGuesses.log_normaliser``)."""
         previous, has_previous = None, 0.0
         if config.previous_feature and context.previous_logits is not None:
             previous, has_previous = stale_top_probs(context.previous_logits, context.mask_id, 1)[:, 0], 1.0
