@@ -156,7 +156,7 @@ class SetsDrafter:
     @torch.no_grad()
     def propose(self, context: DraftContext) -> DraftTree:
         guesses = StaleGuesses(context, self.neighbours)
-        view = StaleView.of(context, self.model.config)
+        view = StaleView.of(context, self.model.config, guesses.log_normaliser)  # one normaliser per round
 
         def join_probs(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
             coupled = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(0)  # [B, L]
