@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state, save_checkpoint
 from spot_dlm.models.tokenizer import TextCodec
+from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig, keep_layers
 from spot_dlm.train.target import TrainConfig, train_target
 
 
@@ -92,3 +93,29 @@ def test_a_teacher_is_checked_before_training(
     save_checkpoint(model_factory(vocab_size=50, dtype=torch.float32), other)
     with pytest.raises(ValueError, match="vocabulary"):
         train_target(short_run(corpus, tmp_path / "c", phase="bd", teacher=other))
+
+
+def test_a_layer_dropped_student_starts_from_the_kept_layers(
+    corpus: Path, tmp_path: Path, tiny_codec: TextCodec
+) -> None:
+    torch.manual_seed(0)
+    teacher = BlockDiffusionLM(ModelConfig(vocab_size=tiny_codec.vocab_size, d_model=32, n_layers=3, n_heads=2))
+    init = tmp_path / "init"
+    save_checkpoint(teacher, init)
+    teacher = load_model(init)  # the 16-bit weights the student starts from
+    student = keep_layers(teacher, (0, 2))
+    assert student.config.n_layers == 2 and student.config.d_model == teacher.config.d_model
+    for new, old in ((0, 0), (1, 2)):
+        for (name, a), b in zip(student.layers[new].state_dict().items(), teacher.layers[old].state_dict().values()):
+            assert torch.equal(a, b), name
+    assert torch.equal(student.embed.weight, teacher.embed.weight)
+    for bad in ((), (2, 0), (0, 0), (0, 3), (-1, 1)):
+        with pytest.raises(ValueError, match="layers to keep"):
+            keep_layers(teacher, bad)
+
+    out = tmp_path / "student"
+    train_target(short_run(corpus, out, phase="bd", init_from=init, keep_layers=(0, 2), teacher=init))
+    assert load_model(out).config.n_layers == 2
+    assert load_training_state(out)["runs"] == 1  # a new run, not the teacher's
+    with pytest.raises(ValueError, match="--init checkpoint"):
+        short_run(corpus, tmp_path / "x", keep_layers=(0,))

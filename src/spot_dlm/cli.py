@@ -165,6 +165,7 @@ def _train_target(args: argparse.Namespace) -> int:
         device=args.device,
         bf16=args.bf16,
         teacher=_init_folder(args.teacher, "--teacher"),
+        keep_layers=args.keep_layers,
     )
     print(train_target(config))
     return 0
@@ -551,6 +552,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="bd phase: 'builtin' or a checkpoint folder whose distributions to distil (e.g. a small LM for token "
         "guesses)",
+    )
+    train.add_argument(
+        "--keep-layers",
+        type=_csv(int),
+        default=None,
+        help="start from these layers of --init only, e.g. 0,2,5 (a layer-dropped student to distil as a token LM)",
     )
     train.set_defaults(func=_train_target)
     bench = sub.add_parser("bench", help="compare methods side by side (same prompts, same noise, one process)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -196,3 +196,18 @@ class BlockDiffusionLM(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def keep_layers(model: BlockDiffusionLM, layers: tuple[int, ...]) -> BlockDiffusionLM:
+    """A copy of ``model`` with only the given layers (in the given increasing order), its embeddings, final norm
+    and tied head: the starting point of a layer-dropped student (a token LM distilled from its own target)."""
+    n_layers = model.config.n_layers
+    if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < n_layers:
+        raise ValueError(f"layers to keep must be increasing indices in [0, {n_layers}), got {list(layers)}")
+    student = BlockDiffusionLM(replace(model.config, n_layers=len(layers)))
+    kept = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("layers.")}
+    for new, old in enumerate(layers):
+        prefix = f"layers.{old}."
+        kept |= {f"layers.{new}.{k[len(prefix) :]}": v for k, v in model.state_dict().items() if k.startswith(prefix)}
+    student.load_state_dict(kept)
+    return student.to(dtype=next(model.parameters()).dtype)

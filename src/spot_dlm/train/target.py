@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state, save_checkpoint
-from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
+from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig, keep_layers
 from spot_dlm.train.losses import LossOutput, autoregressive_loss, block_diffusion_loss
 
 PHASES = ("ar", "bd")
@@ -49,6 +49,7 @@ class TrainConfig:
     device: str = "cpu"  # cpu, cuda, cuda:N or auto
     bf16: bool = False  # bfloat16 autocast for the forward and loss (weights and optimizer stay float32)
     teacher: Path | None = None  # bd phase: distil this trained model's distributions instead of the clean tokens
+    keep_layers: tuple[int, ...] | None = None  # start from these layers of init_from only (a layer-dropped student)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -60,6 +61,8 @@ class TrainConfig:
             raise ValueError(f"block lengths {bad} do not divide seq_len {self.seq_len}")
         if self.teacher is not None and self.phase != "bd":
             raise ValueError("a teacher is distilled in the block-diffusion phase only (--phase bd)")
+        if self.keep_layers is not None and self.init_from is None:
+            raise ValueError("keep_layers picks layers of the --init checkpoint: give one")
 
 
 def learning_rate(config: TrainConfig, step: int, elapsed: float) -> float:
@@ -117,11 +120,15 @@ def heldout_loss(
 
 
 def initial_model(config: TrainConfig, vocab_size: int) -> tuple[BlockDiffusionLM, dict]:
-    """Resume from out_dir when it holds a checkpoint; else a fresh model."""
-    for folder in (config.out_dir, config.init_from):
-        if folder is not None and (Path(folder) / "model.safetensors").is_file():
-            model = load_model(Path(folder), dtype=torch.float32)
-            return model.train(), load_training_state(Path(folder))
+    """Resume from out_dir when it holds a checkpoint; else from init_from (only its ``keep_layers``, if given, and
+    then as a new run); else a fresh model."""
+    if (Path(config.out_dir) / "model.safetensors").is_file():
+        return load_model(Path(config.out_dir), dtype=torch.float32).train(), load_training_state(Path(config.out_dir))
+    if config.init_from is not None and (Path(config.init_from) / "model.safetensors").is_file():
+        model = load_model(Path(config.init_from), dtype=torch.float32)
+        if config.keep_layers is not None:
+            return keep_layers(model, config.keep_layers).train(), {}
+        return model.train(), load_training_state(Path(config.init_from))
     model_config = ModelConfig(
         vocab_size=vocab_size, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads
     )
