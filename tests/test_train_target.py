@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from spot_dlm import cli
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state, save_checkpoint
 from spot_dlm.models.tokenizer import TextCodec
 from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig, keep_layers
@@ -96,7 +97,7 @@ def test_a_teacher_is_checked_before_training(
 
 
 def test_a_layer_dropped_student_starts_from_the_kept_layers(
-    corpus: Path, tmp_path: Path, tiny_codec: TextCodec
+    corpus: Path, tmp_path: Path, tiny_codec: TextCodec, capsys: pytest.CaptureFixture
 ) -> None:
     torch.manual_seed(0)
     teacher = BlockDiffusionLM(ModelConfig(vocab_size=tiny_codec.vocab_size, d_model=32, n_layers=3, n_heads=2))
@@ -119,3 +120,6 @@ def test_a_layer_dropped_student_starts_from_the_kept_layers(
     assert load_training_state(out)["runs"] == 1  # a new run, not the teacher's
     with pytest.raises(ValueError, match="--init checkpoint"):
         short_run(corpus, tmp_path / "x", keep_layers=(0,))
+    argv = ["train-target", "--phase", "bd", "--corpus", str(corpus), "--out", str(tmp_path / "y")]
+    assert cli.main([*argv, "--init", str(init), "--keep-layers", "0,3"]) == 2
+    assert "layers to keep must be increasing indices in [0, 3)" in capsys.readouterr().err
