@@ -205,9 +205,10 @@ def keep_layers(model: BlockDiffusionLM, layers: tuple[int, ...]) -> BlockDiffus
     if not layers or list(layers) != sorted(set(layers)) or not 0 <= layers[0] <= layers[-1] < n_layers:
         raise ValueError(f"layers to keep must be increasing indices in [0, {n_layers}), got {list(layers)}")
     student = BlockDiffusionLM(replace(model.config, n_layers=len(layers)))
-    kept = {name: tensor for name, tensor in model.state_dict().items() if not name.startswith("layers.")}
+    weights = model.state_dict()
+    kept = {name: tensor for name, tensor in weights.items() if not name.startswith("layers.")}
     for new, old in enumerate(layers):
         prefix = f"layers.{old}."
-        kept |= {f"layers.{new}.{k[len(prefix) :]}": v for k, v in model.state_dict().items() if k.startswith(prefix)}
+        kept |= {f"layers.{new}.{k[len(prefix) :]}": v for k, v in weights.items() if k.startswith(prefix)}
     student.load_state_dict(kept)
     return student.to(dtype=next(model.parameters()).dtype)

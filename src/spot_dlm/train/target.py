@@ -122,13 +122,15 @@ def heldout_loss(
 def initial_model(config: TrainConfig, vocab_size: int) -> tuple[BlockDiffusionLM, dict]:
     """Resume from out_dir when it holds a checkpoint; else from init_from (only its ``keep_layers``, if given, and
     then as a new run); else a fresh model."""
-    if (Path(config.out_dir) / "model.safetensors").is_file():
-        return load_model(Path(config.out_dir), dtype=torch.float32).train(), load_training_state(Path(config.out_dir))
-    if config.init_from is not None and (Path(config.init_from) / "model.safetensors").is_file():
-        model = load_model(Path(config.init_from), dtype=torch.float32)
+    out_dir = Path(config.out_dir)
+    if (out_dir / "model.safetensors").is_file():
+        return load_model(out_dir, dtype=torch.float32).train(), load_training_state(out_dir)
+    init_dir = None if config.init_from is None else Path(config.init_from)
+    if init_dir is not None and (init_dir / "model.safetensors").is_file():
+        model = load_model(init_dir, dtype=torch.float32)
         if config.keep_layers is not None:
             return keep_layers(model, config.keep_layers).train(), {}
-        return model.train(), load_training_state(Path(config.init_from))
+        return model.train(), load_training_state(init_dir)
     model_config = ModelConfig(
         vocab_size=vocab_size, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads
     )
