@@ -89,6 +89,23 @@ def test_stale_passes_sharing_a_block_memo_prefill_once_and_reuse_scored_states(
         assert np.allclose(again[row], expected, atol=1e-5)
 
 
+def test_a_window_longer_than_the_small_lms_context_reads_what_fits_before_the_block(model_factory) -> None:
+    lm = BuiltinTarget(model=model_factory(seed=7).to(torch.float64))
+    vocab, mask = lm.vocab_size, lm.mask_id
+    prefix = torch.randint(3, vocab, (30,), generator=torch.Generator().manual_seed(3))
+    args = random_states(vocab, mask, 3, 4), np.array([0, 3, 6]), np.random.default_rng(5).integers(3, vocab, (3, 4))
+
+    def parts(window: int) -> np.ndarray:
+        return TokenLM(lm, 1.0, 1.0, window=window).parts(StalePass(torch.full((L,), mask), mask, prefix), *args)
+
+    lm.max_length = L + 5  # room for 5 clean tokens before a block
+    assert np.array_equal(parts(100), parts(5))
+    assert not np.allclose(parts(5), parts(4))  # the cut is what changed the first result
+    lm.max_length = L
+    with pytest.raises(ValueError, match="leaves no context"):
+        parts(5)
+
+
 def test_a_bounded_memo_drops_the_least_recently_used_states_and_rescores_them_alike(small_lm, monkeypatch) -> None:
     model = small_lm.model
     vocab, mask = model.vocab_size, model.mask_id

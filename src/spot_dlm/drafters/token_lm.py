@@ -44,7 +44,7 @@ class TokenLM:
     model: object  # a Target (models/base.py): prefill + score, its own pass counter
     weight_greedy: float
     weight_sampled: float
-    window: int = DEFAULT_WINDOW  # clean tokens before the block the small LM reads
+    window: int = DEFAULT_WINDOW  # clean tokens before the block the small LM reads (at most its context less L)
     bigram: NeighbourTokens | None = None
 
     def __post_init__(self) -> None:
@@ -105,8 +105,13 @@ class TokenLM:
             raise ValueError("the token LM reads the text before the block: this round carries no prefix")
         model = self.model
         cache = stale.memo.get("token_lm_prefix")
-        if cache is None:
-            window = stale.prefix[-self.window :].to(model.device)
+        if cache is None:  # the window, cut so that it and the block fit the small LM's context
+            fits = min(self.window, model.max_length - states.shape[1])
+            if fits < 1:
+                raise ValueError(
+                    f"a {states.shape[1]}-token block leaves no context in the token LM's {model.max_length}"
+                )
+            window = stale.prefix[-fits:].to(model.device)
             cache = stale.memo["token_lm_prefix"] = model.prefill(window)
         blocks = torch.from_numpy(states).to(model.device)
         logits = model.score(cache, blocks).logits.float()  # [B, L, V]
