@@ -263,6 +263,24 @@ def test_cli_fit_token_survival_installs_and_fits_a_token_lm(capsys, long_checkp
     assert lm.window == 64 and len(survival.greedy) == len(survival.sampled) > 0
 
 
+def test_installing_a_token_lm_replaces_the_previous_one_and_its_training_record(model_factory, tmp_path) -> None:
+    from spot_dlm.models.builtin import builtin_dir
+
+    old = tiny_checkpoint(tmp_path / "old", model_factory(vocab_size=2048, seed=1), builtin_dir())
+    (old / "training_state.json").write_text('{"runs": 7}')
+    new = tiny_checkpoint(tmp_path / "new", model_factory(vocab_size=2048, seed=2), builtin_dir())
+    drafter = tmp_path / "drafter"
+    installed = token_lm.install_token_lm(old, drafter)
+    assert (installed / "training_state.json").read_text() == '{"runs": 7}'
+    assert token_lm.install_token_lm(new, drafter) == installed
+    assert sorted(p.name for p in installed.iterdir()) == sorted(token_lm.LM_FILES)  # nothing of the old one left
+    assert (installed / "model.safetensors").read_bytes() == (new / "model.safetensors").read_bytes()
+    (new / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        token_lm.install_token_lm(new, drafter)
+    assert (installed / "model.safetensors").is_file()  # a refused install leaves the installed LM alone
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

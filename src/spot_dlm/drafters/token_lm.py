@@ -131,16 +131,22 @@ def save_token_lm_fit(weights: tuple, survival: TokenSurvival, window: int, fold
     return path
 
 
+LM_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # a small LM checkpoint (built-in architecture)
+LM_RECORDS = ("training_state.json", "train_log.jsonl")  # how it was trained, copied when the source has them
+
+
 def install_token_lm(source: Path, folder: Path) -> Path:
-    """Copy a small LM checkpoint (built-in architecture: config.json, model.safetensors, tokenizer.json) into a
-    drafter folder's ``token_lm/``; returns that folder."""
+    """Copy a small LM checkpoint (``LM_FILES``, and its ``LM_RECORDS`` when it has them) into a drafter folder's
+    ``token_lm/``, replacing whatever LM was there (no record of it is left behind); returns that folder."""
     source, dest = Path(source), Path(folder) / TOKEN_LM_DIR
     if source.resolve() == dest.resolve():
         return dest
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    for name in LM_FILES:
         if not (source / name).is_file():
             raise FileNotFoundError(f"token LM checkpoint {source} has no {name}")
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name in LM_FILES + tuple(n for n in LM_RECORDS if (source / n).is_file()):
         shutil.copyfile(source / name, dest / name)
     return dest
 
