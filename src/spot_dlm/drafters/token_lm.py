@@ -29,6 +29,7 @@ import torch
 
 from spot_dlm.drafters.neighbours import NeighbourTokens, StalePass, load_bigram
 from spot_dlm.drafters.token_survival import TokenSurvival
+from spot_dlm.models.checkpoint import CONFIG_FILE, TOKENIZER_FILE, TRAIN_LOG_FILE, TRAINING_STATE_FILE, WEIGHTS_FILE
 
 TOKEN_LM_DIR = "token_lm"  # sub-folder of a drafter folder holding the small LM (built-in architecture)
 TOKEN_LM_FIT_FILE = "token_survival_lm.json"  # its fitted weights and the survival of the corrected guesses
@@ -131,8 +132,8 @@ def save_token_lm_fit(weights: tuple, survival: TokenSurvival, window: int, fold
     return path
 
 
-LM_FILES = ("config.json", "model.safetensors", "tokenizer.json")  # a small LM checkpoint (built-in architecture)
-LM_RECORDS = ("training_state.json", "train_log.jsonl")  # how it was trained, copied when the source has them
+LM_FILES = (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE)  # a small LM checkpoint (built-in architecture)
+LM_RECORDS = (TRAINING_STATE_FILE, TRAIN_LOG_FILE)  # how it was trained, copied when the source has them
 
 
 def install_token_lm(source: Path, folder: Path) -> Path:

@@ -19,6 +19,7 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 TRAINING_STATE_FILE = "training_state.json"
+TRAIN_LOG_FILE = "train_log.jsonl"  # one JSON line per training snapshot
 
 
 def save_checkpoint(

@@ -18,7 +18,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state, save_checkpoint
+from spot_dlm.models.checkpoint import (
+    TOKENIZER_FILE,
+    TRAIN_LOG_FILE,
+    WEIGHTS_FILE,
+    load_model,
+    load_training_state,
+    save_checkpoint,
+)
 from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig, keep_layers
 from spot_dlm.train.losses import LossOutput, autoregressive_loss, block_diffusion_loss
 
@@ -123,10 +130,10 @@ def initial_model(config: TrainConfig, vocab_size: int) -> tuple[BlockDiffusionL
     """Resume from out_dir when it holds a checkpoint; else from init_from (only its ``keep_layers``, if given, and
     then as a new run); else a fresh model."""
     out_dir = Path(config.out_dir)
-    if (out_dir / "model.safetensors").is_file():
+    if (out_dir / WEIGHTS_FILE).is_file():
         return load_model(out_dir, dtype=torch.float32).train(), load_training_state(out_dir)
     init_dir = None if config.init_from is None else Path(config.init_from)
-    if init_dir is not None and (init_dir / "model.safetensors").is_file():
+    if init_dir is not None and (init_dir / WEIGHTS_FILE).is_file():
         model = load_model(init_dir, dtype=torch.float32)
         if config.keep_layers is not None:
             return keep_layers(model, config.keep_layers).train(), {}
@@ -181,7 +188,7 @@ def train_target(config: TrainConfig) -> Path:
     generator = torch.Generator(device=device).manual_seed(run_seed)
     tokens_seen = dict(state.get("tokens_seen", {"ar": 0, "bd": 0}))
     seconds = dict(state.get("seconds", {"ar": 0.0, "bd": 0.0}))
-    log_path = config.out_dir / "train_log.jsonl"
+    log_path = config.out_dir / TRAIN_LOG_FILE
 
     def snapshot(step: int, loss_ema: float, elapsed: float) -> None:
         held = heldout_loss(model, eval_batches, config.phase)
