@@ -56,6 +56,9 @@ def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
 
 
 ORDER_MODEL_SIZES = ("auto", "paper", "small", "none")
+NUMERICS = ("authors", "project")
+DEFAULT_BLOCK_LENGTH = 32
+FAST_DLLM_V2_SUB_BLOCK = 8
 SMALL_ORDER_MODEL = "small"  # the sub-folder of a drafter folder that holds its smaller order model, if any
 
 
@@ -212,7 +215,7 @@ def default_drafter_dir() -> Path:
 @dataclass(frozen=True)
 class GenerateConfig:
     method: str = "standard"
-    block_length: int = 32
+    block_length: int | None = None  # None: the model's own (a family checkpoint's trained block; else 32)
     gen_length: int = 256
     temperature: float = 0.0
     seed: int = 0
@@ -236,16 +239,26 @@ class GenerateConfig:
     order_model: str = "auto"
     apply_template: bool = True
     drafter: str | None = None  # drafter checkpoint folder (default: the one shipped for the built-in target)
+    # real families (SDAR, LLaDA, Dream, Fast-dLLM v2): their authors' numerics ("authors") or the project's float64
+    # rule on their canvas ("project"); ``steps``: SDAR passes per block, LLaDA / Dream passes in all (None: the
+    # authors' default: one commit per pass); ``family_alg``: Dream's confidence (entropy, maskgit_plus, topk_margin)
+    numerics: str = "authors"
+    steps: int | None = None
+    family_alg: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHOD_RULES:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(sorted(METHOD_RULES))}")
-        if self.block_length < 1:
+        if self.block_length is not None and self.block_length < 1:
             raise ValueError(f"block length must be >= 1, got {self.block_length}")
         if self.gen_length < 1:
             raise ValueError(f"gen length must be >= 1, got {self.gen_length}")
-        if self.gen_length % self.block_length:
+        if self.block_length is not None and self.gen_length % self.block_length:
             raise ValueError(f"gen length {self.gen_length} is not a multiple of block length {self.block_length}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"unknown numerics {self.numerics!r}; choose one of {', '.join(NUMERICS)}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.confidence not in CONFIDENCE_KINDS:
             raise ValueError(f"unknown confidence {self.confidence!r}; choose one of {', '.join(CONFIDENCE_KINDS)}")
         if self.budget < 1:
@@ -275,8 +288,63 @@ class GenerateConfig:
             tau=self.tau,
         )
 
+    @property
+    def resolved_block_length(self) -> int:
+        return DEFAULT_BLOCK_LENGTH if self.block_length is None else self.block_length
+
     def settings(self) -> DecodeSettings:
-        return DecodeSettings(self.rule(), self.block_length, self.gen_length, self.stop_at_eos, self.handoffs)
+        """Decoding settings for the built-in or a generic target (a family target: ``settings_for``)."""
+        block = self.resolved_block_length
+        return DecodeSettings(self.rule(), block, self.gen_length, self.stop_at_eos, self.handoffs)
+
+
+def family_block_length(config: GenerateConfig, target) -> int:
+    """The block length a family decodes with: the user's, else the checkpoint's trained one, else the family's
+    default; Dream has no blocks (the whole generation is one). A length other than the trained one is warned about."""
+    family = target.family
+    if family.grid == "whole":
+        if config.block_length not in (None, config.gen_length):
+            raise ValueError(
+                f"{family.title} decodes the whole generation as one canvas: leave the block length unset"
+            )
+        return config.gen_length
+    trained = target.trained_block_length
+    length = config.block_length or trained or family.default_block_length
+    if trained is not None and length != trained:
+        warnings.warn(
+            f"block length {length} differs from the {trained} this {family.title} checkpoint was trained with: "
+            "its outputs there are not what its authors evaluate",
+            stacklevel=3,
+        )
+    if family.name == "fast_dllm_v2" and length % FAST_DLLM_V2_SUB_BLOCK:
+        raise ValueError(f"Fast-dLLM v2 decodes sub-blocks of {FAST_DLLM_V2_SUB_BLOCK}: block length {length} is not")
+    return length
+
+
+def settings_for(config: GenerateConfig, target) -> DecodeSettings:
+    """Decoding settings for this target: a real family's own rule and block length, else ``config.settings()``."""
+    from spot_dlm.family_rules import FamilyDecoding, make_family_rule
+    from spot_dlm.models.family_targets import is_family_target
+
+    if not is_family_target(target):
+        return config.settings()
+    length = family_block_length(config, target)
+    family_rule = None
+    if config.numerics == "authors":
+        spec = FamilyDecoding(
+            family=target.family.name,
+            kind=METHOD_RULES[config.method],
+            mask_id=target.mask_id,
+            temperature=config.temperature,
+            block_length=length,
+            gen_length=config.gen_length,
+            tau=config.tau,
+            steps=config.steps,
+            confidence=config.family_alg,
+        )
+        family_rule = make_family_rule(spec)
+    rule = config.rule()
+    return DecodeSettings(rule, length, config.gen_length, config.stop_at_eos, False, family_rule)
 
 
 @dataclass(frozen=True)
@@ -307,7 +375,7 @@ def load_target(
     ``hf_options`` go to ``load_hf_target`` (shifted_logits, mask_id, trust_remote_code). ``device``: cpu, cuda,
     cuda:N or auto; drafters made for the target run on the same device."""
     from spot_dlm.models.builtin import builtin_dir, load_builtin_target
-    from spot_dlm.models.hf import is_hf_checkpoint, load_hf_target
+    from spot_dlm.models.hf import is_hf_checkpoint
 
     device = resolve_device(device)
     if name is None or str(name) == "builtin":
@@ -315,9 +383,32 @@ def load_target(
     path = Path(name)
     if not path.exists():
         raise ValueError(f"unknown model {str(name)!r}: not 'builtin' and no checkpoint folder at {path}")
+    if not path.is_dir():
+        raise ValueError(f"--model {path} is a file; give the checkpoint's folder")
     if is_hf_checkpoint(path):
-        return load_hf_target(path, dtype=dtype, device=device, **(hf_options or {}))
+        return load_transformers_target(path, dtype, device, dict(hf_options or {}))
     return load_builtin_target(path, scoring=scoring, dtype=dtype, device=device)
+
+
+def load_transformers_target(path: Path, dtype: torch.dtype, device: torch.device, options: dict):
+    """A transformers checkpoint folder: a real family (``models/families.py``) through its authors' interface, or
+    a stock body as a generic block-diffusion target (``models/hf.py``; ``family="generic"`` forces it)."""
+    from spot_dlm.models.families import detect_family, read_json
+    from spot_dlm.models.family_targets import load_family_target
+    from spot_dlm.models.hf import load_hf_target
+
+    if not any(path.glob("*.safetensors")):
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        found = f" (found {', '.join(pickled)})" if pickled else ""
+        raise ValueError(f"no safetensors weights in {path}{found}: pickled weights are not loaded, they can run code")
+    config = read_json(path / "config.json")
+    family = detect_family(config, options.pop("family", None))
+    if family.name == "generic":
+        return load_hf_target(path, dtype=dtype, device=device, **options)
+    given = [f"--{key.replace('_', '-')}" for key in ("shifted_logits", "mask_id") if options.get(key)]
+    if given:
+        raise ValueError(f"{' and '.join(given)} are for generic models; a {family.title} checkpoint names its own")
+    return load_family_target(path, family, config, dtype, device, bool(options.get("trust_remote_code")))
 
 
 def make_drafter(config: GenerateConfig, target: Target) -> Drafter:
@@ -334,11 +425,19 @@ def encode_prompt(prompt: str, codec, config: GenerateConfig, target: Target) ->
             f"prompt of {len(ids)} tokens + gen length {config.gen_length} exceeds the model's "
             f"{target.max_length}-token context"
         )
+    if callable(getattr(target, "plan", None)):  # a family's canvas: its grid may add to it, or refuse the length
+        target.plan(len(ids), config.gen_length, family_block_length(config, target))
     return torch.tensor(ids, dtype=torch.int64)
 
 
 def cut_at_eos(ids: list[int], eos_id: int) -> list[int]:
     return ids[: ids.index(eos_id)] if eos_id in ids else ids
+
+
+def cut_at_stop(ids: list[int], stop_ids) -> list[int]:
+    """The ids before the first stop token."""
+    stops = set(stop_ids)
+    return next((ids[:i] for i, token in enumerate(ids) if token in stops), ids)
 
 
 def generate(
@@ -355,12 +454,12 @@ def generate(
         prompts = [prompts]
     encoded = [encode_prompt(p, codec, config, target) for p in prompts]  # validate all before decoding any
     drafter = drafter if drafter is not None else make_drafter(config, target)
-    settings = config.settings()
+    settings = settings_for(config, target)
     results = []
     for index, (prompt, ids) in enumerate(tqdm(list(zip(prompts, encoded)), disable=not progress, desc=config.method)):
         raw = decode_ids(target, ids, settings, drafter, NoiseKey(config.seed, first_request + index))
         raw_ids = raw.token_ids.tolist()
-        token_ids = cut_at_eos(raw_ids, target.eos_id)
+        token_ids = cut_at_stop(raw_ids, getattr(target, "stop_ids", (target.eos_id,)))
         results.append(
             Generation(
                 method=config.method,

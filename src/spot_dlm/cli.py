@@ -7,9 +7,12 @@ import json
 import sys
 from pathlib import Path
 
-from spot_dlm.api import METHOD_RULES, ORDER_MODEL_SIZES, GenerateConfig, generate, load_target
+from spot_dlm.api import METHOD_RULES, NUMERICS, ORDER_MODEL_SIZES, GenerateConfig, generate, load_target
 from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR, OrderModelConfig
+from spot_dlm.models.families import FAMILIES
 from spot_dlm.tree import DEFAULT_DEPTH
+
+FAMILY_NAMES = tuple(FAMILIES)
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +25,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-id", type=int, default=None, help="transformers models: the mask token id")
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="transformers models: run the folder's own modeling code"
+    )
+    parser.add_argument(
+        "--family",
+        choices=FAMILY_NAMES,
+        default=None,
+        help="transformers models: the DLM family (default: detected from config.json; generic = a stock body)",
     )
     _add_device_option(parser)
 
@@ -38,12 +47,36 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
+def _add_decoding_options(parser: argparse.ArgumentParser, block_length: int | None = 32) -> None:
     _add_model_options(parser)
-    parser.add_argument("--block-length", type=int, default=32)
+    parser.add_argument(
+        "--block-length", type=int, default=block_length, help="default: the model's own (built-in: 32)"
+    )
     parser.add_argument("--gen-length", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _add_family_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="real families: SDAR passes per block, LLaDA / Dream passes in all (default: one commit per pass)",
+    )
+    parser.add_argument(
+        "--numerics",
+        choices=NUMERICS,
+        default="authors",
+        help="real families: decide each pass as the authors do (default) or by the project's float64 rule",
+    )
+    parser.add_argument(
+        "--family-alg", default=None, help="Dream: confidence alg (entropy (default), maskgit_plus, topk_margin)"
+    )
+
+
+def _family_config(args: argparse.Namespace) -> dict:
+    return {"steps": args.steps, "numerics": args.numerics, "family_alg": args.family_alg}
 
 
 def _load_model(args: argparse.Namespace):
@@ -51,6 +84,7 @@ def _load_model(args: argparse.Namespace):
         "shifted_logits": args.shifted_logits,
         "mask_id": args.mask_id,
         "trust_remote_code": args.trust_remote_code,
+        "family": args.family,
     }
     return load_target(args.model, hf_options=hf_options, device=args.device)
 
@@ -88,6 +122,7 @@ def _generate(args: argparse.Namespace) -> int:
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
         apply_template=not args.raw,
+        **_family_config(args),
     )
     target, codec = _load_model(args)
     for gen in generate(prompts, config, target, codec, progress=not args.json and len(prompts) > 1):
@@ -106,6 +141,22 @@ def _generate(args: argparse.Namespace) -> int:
                 f"{gen.text}\n[{gen.method}: {len(gen.token_ids)} tokens, {gen.target_passes} target passes, "
                 f"{gen.stats['wall_seconds']:.2f} s]"
             )
+    return 0
+
+
+def _check_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from spot_dlm.check_model import check_model, format_report, write_report
+
+    if args.json is not None and Path(args.json).is_dir():
+        raise ValueError(f"--json {args.json} is a folder; give a file name")
+    options = {"trust_remote_code": args.trust_remote_code, "family": args.family}
+    dtype = getattr(torch, args.dtype)
+    report = check_model(args.folder, args.device, dtype, args.n_prompts, args.gen_length, args.budget, options)
+    print(format_report(report))
+    if args.json is not None:
+        write_report(report, args.json)
     return 0
 
 
@@ -464,7 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     gen = sub.add_parser("generate", help="generate from prompts")
-    _add_decoding_options(gen)
+    _add_decoding_options(gen, block_length=None)
+    _add_family_options(gen)
     gen.add_argument("--prompt", help="one prompt (a question; the prompt template is applied)")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--method", default="standard", help=f"one of: {', '.join(sorted(METHOD_RULES))}")
@@ -523,6 +575,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     gen.set_defaults(func=_generate)
+
+    check = sub.add_parser(
+        "check-model", help="decode a few prompts with a checkpoint's standard loop and SPOT: exactness, flips, speed"
+    )
+    check.add_argument("folder", help="a transformers checkpoint folder (SDAR, LLaDA, Dream, Fast-dLLM v2, generic)")
+    check.add_argument(
+        "--trust-remote-code", action="store_true", help="run the folder's own modeling code (every family needs it)"
+    )
+    check.add_argument("--family", choices=FAMILY_NAMES, default=None, help="default: detected from config.json")
+    check.add_argument("--dtype", choices=("bfloat16", "float16", "float32", "float64"), default="bfloat16")
+    check.add_argument("--n-prompts", type=int, default=3)
+    check.add_argument("--gen-length", type=int, default=64)
+    check.add_argument("--budget", type=int, default=8, help="SPOT's draft nodes per pass")
+    check.add_argument("--json", default=None, help="also write the report to this file")
+    _add_device_option(check)
+    check.set_defaults(func=_check_model)
 
     prep = sub.add_parser("prepare-data", help="build the tokenizer and token streams for target training")
     prep.add_argument("--out", default="data_cache/corpus")

@@ -145,6 +145,9 @@ class DecodeSettings:
     gen_length: int
     stop_at_eos: bool = True
     handoffs: bool = True  # draft the next block's first pass where the target can score it (no effect on tokens)
+    # a real family's own pass (``family_rules``: ``step(tokens, logits, gumbel, steps, window)``) in place of
+    # ``rule``, which drafters still read for the temperature and the kind of rule
+    family_rule: object | None = None
 
 
 @dataclass(frozen=True)
@@ -192,10 +195,13 @@ def _apply_rule(
     settings: DecodeSettings,
     block_noise: BlockNoise,
     mask_id: int,
+    window=None,
 ) -> StepResult:
     """The rule's step for every node: true next states [N, L] and the proposal they came from.
-    states [N, L], logits [N, L, V]"""
+    states [N, L], logits [N, L, V]; ``window``: where a family rule ranks positions (``family_rules.Window``)"""
     noise = step_noise(block_noise, steps, settings.rule, states, mask_id)
+    if settings.family_rule is not None:
+        return settings.family_rule.step(states, logits, noise, steps, window)
     return step(states, logits, noise, settings.rule, mask_id)
 
 
@@ -271,6 +277,8 @@ def decode_block(
     prefix: torch.Tensor | None = None,
     opening: BlockOpening | None = None,
     handoffs: bool = False,
+    initial: torch.Tensor | None = None,
+    window=None,
 ) -> tuple[torch.Tensor, object, _BlockTrace, BlockOpening | None]:
     """Decode one block from all-mask to complete; returns (block [L], cache, trace, the next block's opening if
     the last round handed it off). ``prefix`` (int64 [P]: the prompt and the finished blocks) is handed to drafters
@@ -279,7 +287,7 @@ def decode_block(
     mask_id, length = target.mask_id, settings.block_length
     stop_id = target.eos_id if settings.stop_at_eos else None  # no hand-off of a block that ends decoding
     device = getattr(target, "device", torch.device("cpu"))
-    state = torch.full((length,), mask_id, dtype=torch.int64, device=device)
+    state = torch.full((length,), mask_id, dtype=torch.int64, device=device) if initial is None else initial.clone()
     trace = _BlockTrace(
         step=torch.full((length,), -1, device=device), pass_no=torch.full((length,), -1, device=device)
     )
@@ -292,7 +300,7 @@ def decode_block(
     step_index, opening = 0, None
     block_noise = BlockNoise(key, block_index, length, logits.shape[-1], logits.device)
     block_memo: dict = {}  # drafters' per-block results (a small LM's prefix cache and scored states)
-    stepped = _apply_rule(state[None], logits[None], (0,), settings, block_noise, mask_id)
+    stepped = _apply_rule(state[None], logits[None], (0,), settings, block_noise, mask_id, window)
     next_state, proposal = stepped.tokens[0], _row(stepped.proposal, 0)
 
     def passes() -> int:
@@ -329,7 +337,7 @@ def decode_block(
         tree = drafter.propose(context)
         stats.draft_seconds += time.perf_counter() - tick
         node_logits, scored = _verify(target, cache, tree)  # [N, L, V]
-        stepped = _apply_rule(tree.states, node_logits, tree.steps, settings, block_noise, mask_id)
+        stepped = _apply_rule(tree.states, node_logits, tree.steps, settings, block_noise, mask_id, window)
         next_states = stepped.tokens
         path = _accept(tree, next_states)
         stats.accepted_lengths[len(path)] += 1
@@ -360,9 +368,12 @@ def decode_ids(
     key: NoiseKey,
     observer: Observer | None = None,
 ) -> RawGeneration:
-    """Decode one prompt block by block (stopping after a block holding EOS when ``stop_at_eos``)."""
+    """Decode one prompt block by block (stopping after a block holding EOS when ``stop_at_eos``); a real family's
+    target (one with a ``plan``) decodes on its authors' canvas (``decode_canvas``)."""
     if prompt_ids.ndim != 1 or prompt_ids.shape[0] == 0:
         raise ValueError("the prompt must be a non-empty 1-D tensor of token ids")
+    if callable(getattr(target, "plan", None)):
+        return decode_canvas(target, prompt_ids, settings, drafter, key, observer)
     start_passes, start_tokens = target.counter.snapshot()
     start_time = time.perf_counter()
     stats = DecodeStats()
@@ -401,5 +412,62 @@ def decode_ids(
         token_ids=torch.cat(blocks).cpu(),
         commit_step=torch.cat(steps).cpu(),
         commit_pass=torch.cat(pass_nos).cpu(),
+        stats=stats,
+    )
+
+
+def decode_canvas(
+    target,
+    prompt_ids: torch.Tensor,
+    settings: DecodeSettings,
+    drafter: Drafter,
+    key: NoiseKey,
+    observer: Observer | None = None,
+) -> RawGeneration:
+    """Decode one prompt on a real family's canvas (``models/family_targets.py``): the authors' prefill, each block
+    from its starting state (prompt tail or known first token, then masks) by the same rounds as ``decode_block``,
+    the authors' finish / store pass between blocks, and their stopping (after a block holding a stop token, for
+    the families that stop early). The returned tokens start after the prompt (the tail is left out)."""
+    start_passes, start_tokens = target.counter.snapshot()
+    start_time = time.perf_counter()
+    stats = DecodeStats()
+    plan = target.plan(prompt_ids.shape[0], settings.gen_length, settings.block_length)
+    cache, state = target.open(prompt_ids, plan)
+    blocks, steps, pass_nos = [], [], []
+    stops = torch.tensor(target.stop_ids, device=state.device)
+    for block_index in range(plan.n_blocks):
+        prefix = torch.cat([prompt_ids[: plan.first_start].to(state.device), *blocks])  # [P]
+        block, cache, trace, _ = decode_block(
+            target,
+            cache,
+            None,
+            block_index,
+            settings,
+            key,
+            drafter,
+            stats,
+            start_passes,
+            observer,
+            prefix=prefix,
+            initial=state,
+            window=target.window(plan, block_index),
+        )
+        blocks.append(block)
+        steps.append(trace.step)
+        pass_nos.append(trace.pass_no)
+        generated = block[plan.tail :] if block_index == 0 else block
+        if block_index + 1 == plan.n_blocks:
+            break
+        if target.family.stops_early and settings.stop_at_eos and bool(torch.isin(generated, stops).any()):
+            break
+        cache, state = target.finish(cache, block, plan)
+    stats.target_passes = target.counter.passes - start_passes
+    stats.query_tokens = target.counter.query_tokens - start_tokens
+    stats.wall_seconds = time.perf_counter() - start_time
+    tail = plan.tail
+    return RawGeneration(
+        token_ids=torch.cat(blocks)[tail:].cpu(),
+        commit_step=torch.cat(steps)[tail:].cpu(),
+        commit_pass=torch.cat(pass_nos)[tail:].cpu(),
         stats=stats,
     )
