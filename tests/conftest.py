@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,3 +90,21 @@ def long_checkpoint(tmp_path_factory, tiny_codec) -> Path:
     save_checkpoint(random_model(tiny_codec.vocab_size, seed=5, dtype=torch.float32, max_seq_len=1024), folder)
     tiny_codec.save(folder / TOKENIZER_FILE)
     return folder
+
+
+@pytest.fixture(scope="module")
+def remote_code_cache(tmp_path_factory):
+    """Keep transformers' copies of the remote code in a temporary folder, not under the user's HF home."""
+    import transformers.dynamic_module_utils as dynamic
+
+    def forget_remote_modules():
+        for name in [name for name in sys.modules if name.startswith("transformers_modules")]:
+            del sys.modules[name]
+
+    cache = tmp_path_factory.mktemp("hf_modules")
+    forget_remote_modules()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dynamic, "HF_MODULES_CACHE", str(cache))
+        patch.syspath_prepend(str(cache))
+        yield
+    forget_remote_modules()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from spot_dlm.decode import DecodeSettings, _check_passes
 from spot_dlm.family_rules import (
     DreamRule,
     FamilyDecoding,
@@ -20,6 +21,7 @@ from spot_dlm.family_rules import (
 )
 from spot_dlm.models.families import FAMILIES, UnknownFamily, detect_family, id_list
 from spot_dlm.models.family_targets import plan_canvas
+from spot_dlm.rules import CommitRule
 
 MASK = 5
 
@@ -85,8 +87,7 @@ def test_dream_schedule_commits_nothing_first_and_two_last() -> None:
         counts.append(n)
         masks -= n
     assert counts == [0] + [1] * 30 + [2] and masks == 0
-    with pytest.raises(ValueError, match="makes 32 passes"):
-        dream_commits(1, 32, timesteps)
+    assert dream_commits(1, 32, timesteps) == 0  # past the last pass (drafted states only)
 
 
 def _logits(rows: list[list[list[float]]], dtype=torch.float32) -> torch.Tensor:
@@ -119,12 +120,17 @@ def test_family_rules_keep_the_mask_token_in_the_softmax() -> None:
     assert result.proposal.confidence[0, 0] > result.proposal.confidence[0, 1]
 
 
-def test_a_committed_mask_token_is_refused() -> None:
+def test_a_committed_mask_token_stays_masked_and_a_block_left_masked_is_refused() -> None:
     tokens = torch.tensor([[MASK, 1]])
     logits = torch.zeros(1, 2, 8)
     logits[0, 0, MASK] = 9.0
+    rule = LladaRule(MASK, schedule=(1,))
+    result = rule.step(tokens, logits, None, (0,))
+    assert result.tokens.tolist() == [[MASK, 1]] and bool(result.committed[0, 0])  # as the authors' loop writes it
+    assert not rule.step(tokens, logits, None, (1,)).committed.any()  # past the schedule: nothing (drafted states)
+    settings = DecodeSettings(CommitRule(), 2, 2, family_rule=rule)
     with pytest.raises(MaskTokenChosen, match="not reproduced"):
-        LladaRule(MASK, schedule=(1,)).step(tokens, logits, None, (0,))
+        _check_passes(settings, 1, 2)
 
 
 def test_llada_ranks_over_the_whole_canvas_row() -> None:

@@ -263,6 +263,19 @@ def _opening(tree: DraftTree, scored, next_state: torch.Tensor, mask_id: int) ->
     return None if handoff is None else BlockOpening(scored.next_logits[handoff], scored.opening(handoff))
 
 
+def _check_passes(settings: DecodeSettings, step_index: int, length: int) -> None:
+    """A block still masked after its rule's last scheduled pass (a family's schedule, else one commit per pass) got
+    there by committing the mask token itself; the authors carry such positions on, which is not reproduced."""
+    from spot_dlm.family_rules import MaskTokenChosen
+
+    passes = getattr(settings.family_rule, "passes", None) or length
+    if step_index >= passes:
+        raise MaskTokenChosen(
+            f"the block still holds masks after {passes} passes: the model committed its mask token, which the "
+            "authors' loop leaves masked for later (not reproduced)"
+        )
+
+
 def decode_block(
     target: Target,
     cache,
@@ -315,6 +328,7 @@ def decode_block(
         parent, state, step_index = state, next_state, step_index + 1
         if not bool((state == mask_id).any()):
             return state, cache, trace, opening
+        _check_passes(settings, step_index, length)
         block_noise.forget_before(step_index)
         tick = time.perf_counter()
         context = DraftContext(
@@ -416,6 +430,18 @@ def decode_ids(
     )
 
 
+def _holds_stop(target, plan, block_index: int, trace: _BlockTrace, block: torch.Tensor) -> bool:
+    """Does a finished block end decoding: a stop token among its generated positions, or (``stop_counts ==
+    "committed"``) among those the rule committed."""
+    stops = torch.tensor(target.stop_ids, device=block.device)
+    counted = torch.ones_like(block, dtype=torch.bool)
+    if block_index == 0:
+        counted[: plan.tail] = False
+    if target.stop_counts == "committed":
+        counted &= trace.step >= 0
+    return bool((torch.isin(block, stops) & counted).any())
+
+
 def decode_canvas(
     target,
     prompt_ids: torch.Tensor,
@@ -434,7 +460,6 @@ def decode_canvas(
     plan = target.plan(prompt_ids.shape[0], settings.gen_length, settings.block_length)
     cache, state = target.open(prompt_ids, plan)
     blocks, steps, pass_nos = [], [], []
-    stops = torch.tensor(target.stop_ids, device=state.device)
     for block_index in range(plan.n_blocks):
         prefix = torch.cat([prompt_ids[: plan.first_start].to(state.device), *blocks])  # [P]
         block, cache, trace, _ = decode_block(
@@ -455,12 +480,19 @@ def decode_canvas(
         blocks.append(block)
         steps.append(trace.step)
         pass_nos.append(trace.pass_no)
-        generated = block[plan.tail :] if block_index == 0 else block
-        if block_index + 1 == plan.n_blocks:
-            break
-        if target.family.stops_early and settings.stop_at_eos and bool(torch.isin(generated, stops).any()):
+        stop = (
+            target.family.stops_early and settings.stop_at_eos and _holds_stop(target, plan, block_index, trace, block)
+        )
+        last = stop or block_index + 1 == plan.n_blocks
+        if stop and not target.finish_stopping_block:
             break
         cache, state = target.finish(cache, block, plan)
+        if last:
+            if target.trailing_token and not stop:  # the last store pass's token ends the output
+                blocks.append(state[:1])
+                steps.append(torch.full((1,), -1, device=state.device))
+                pass_nos.append(torch.full((1,), -1, device=state.device))
+            break
     stats.target_passes = target.counter.passes - start_passes
     stats.query_tokens = target.counter.query_tokens - start_tokens
     stats.wall_seconds = time.perf_counter() - start_time

@@ -11,8 +11,10 @@ T > 0: the authors draw from torch's global RNG (``multinomial``, ``Categorical`
 reproduce those sample paths. Here a token is the Gumbel-max of the same filtered, tempered logits under the keyed
 noise: the same distribution, and the same sample for the standard loop and every speculative method.
 
-A committed mask token leaves its position masked in the authors' loops (a later pass or block picks it up); that
-path is not reproduced: ``step`` raises ``MaskTokenChosen``.
+A committed mask token leaves its position masked, as in the authors' loops. When that leaves a block with masks after
+its schedule's last pass, the authors carry them into later passes or blocks; that path is not reproduced: the loop
+raises ``MaskTokenChosen`` (``decode.decode_block``). Off the true path (drafted states) a rule is total: a pass past
+the schedule commits nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def dream_commits(masks: int, pass_index: int, timesteps: torch.Tensor) -> int:
     """Dream's commit count at a pass: ``int(M * (1 - s / t))`` in float32, everything left at the last pass."""
     steps = timesteps.shape[0] - 1
     if pass_index >= steps:
-        raise ValueError(f"Dream's loop makes {steps} passes; pass {pass_index} does not exist")
+        return 0  # past the loop's last pass
     mask_count = torch.tensor(masks, device=timesteps.device) / 1  # the authors' float tensor of masks per row
     if pass_index == steps - 1:
         return int(mask_count)
@@ -97,23 +99,22 @@ def sample(scores: torch.Tensor, gumbel: torch.Tensor | None, temperature: float
     return (scores.to(torch.float64) / temperature + gumbel.to(scores.device)).argmax(-1)
 
 
-def _ranked(confidence: torch.Tensor, counts: list[int], window: Window) -> torch.Tensor:
-    """``torch.topk(row, k)`` per state over the authors' row (the block placed at ``window`` in -inf), grouped by k.
-    confidence [K, L] (-inf: not eligible), counts K ints -> bool [K, L]"""
+def _ranked(confidence: torch.Tensor, counts: list[int], window: Window, per_row: bool) -> torch.Tensor:
+    """``torch.topk(row, k)`` per state over the authors' row (the block placed at ``window``, -inf elsewhere), in
+    the confidences' own dtype; ``per_row``: called on each 1-D row as SDAR and LLaDA do, else on a [1, W] row as
+    Dream does (the call decides the tie order). confidence [K, L] (-inf: not eligible), counts K ints -> bool [K, L]
+    """
     n_states, length = confidence.shape
     width = max(window.width, window.offset + length)
     chosen = torch.zeros_like(confidence, dtype=torch.bool)
-    for k in sorted(set(counts)):
-        rows = [i for i, count in enumerate(counts) if count == k]
+    for state, k in enumerate(counts):
         if k <= 0:
             continue
-        row = torch.full((len(rows), width), float("-inf"), dtype=confidence.dtype, device=confidence.device)
-        row[:, window.offset : window.offset + length] = confidence[rows]
-        picked = torch.topk(row, k, dim=-1).indices - window.offset  # [R, k]
-        inside = (picked >= 0) & (picked < length)
-        hits = torch.zeros(len(rows), length, dtype=torch.bool, device=confidence.device)
-        hits.scatter_(1, picked.clamp(0, length - 1), inside)
-        chosen[rows] = hits
+        row = torch.full((width,), float("-inf"), dtype=confidence.dtype, device=confidence.device)
+        row[window.offset : window.offset + length] = confidence[state]
+        picked = (torch.topk(row, k).indices if per_row else torch.topk(row[None], k).indices[0]) - window.offset
+        picked = picked[(picked >= 0) & (picked < length)]
+        chosen[state, picked] = True
     return chosen & (confidence > float("-inf"))
 
 
@@ -126,14 +127,10 @@ def _result(
     mask_id,
 ) -> StepResult:
     """Assemble the step's next states from per-masked-position choices (``where``: masked (row, position) pairs,
-    ``chosen`` int64 [M], ``confidence`` [M] in any float dtype, ``committed`` bool [K, L])."""
+    ``chosen`` int64 [M], ``confidence`` [M] in any float dtype, ``committed`` bool [K, L]). A committed mask token
+    leaves its position masked, as in the authors' loops."""
     proposal_tokens = tokens.clone()
     proposal_tokens[where] = chosen
-    if bool((committed & (proposal_tokens == mask_id)).any()):
-        raise MaskTokenChosen(
-            "the model chose its mask token at a position this pass commits; the authors' loop would leave it "
-            "masked for a later pass, which is not reproduced"
-        )
     full = torch.full(tokens.shape, float("-inf"), dtype=torch.float64, device=tokens.device)
     full[where] = confidence.to(torch.float64)
     return StepResult(
@@ -149,9 +146,9 @@ def _rows(gumbel: torch.Tensor | None, where: tuple) -> torch.Tensor | None:
 
 
 def _confidence_rows(tokens: torch.Tensor, where: tuple, values: torch.Tensor) -> torch.Tensor:
-    """Scatter per-masked-position confidences [M] into float64 [K, L], -inf elsewhere."""
-    rows = torch.full(tokens.shape, float("-inf"), dtype=torch.float64, device=tokens.device)
-    rows[where] = values.to(torch.float64)
+    """Scatter per-masked-position confidences [M] into [K, L] of their dtype, -inf elsewhere."""
+    rows = torch.full(tokens.shape, float("-inf"), dtype=values.dtype, device=tokens.device)
+    rows[where] = values
     return rows
 
 
@@ -173,6 +170,10 @@ class SdarRule:
     top_k: int = 0
     top_p: float = 1.0
 
+    @property
+    def passes(self) -> int:
+        return len(self.schedule)
+
     def step(
         self, tokens: torch.Tensor, logits: torch.Tensor, gumbel, steps: tuple[int, ...], window: Window = Window()
     ) -> StepResult:
@@ -184,8 +185,8 @@ class SdarRule:
         chosen = sample(scores, _rows(gumbel, where), self.temperature)
         confidence = torch.softmax(z / scale, dim=-1).gather(-1, chosen[:, None])[:, 0]  # [M], model dtype
         conf = _confidence_rows(tokens, where, confidence)  # [K, L]
-        counts = _counts(tokens, steps, self.mask_id, lambda masks, s: _scheduled(self.schedule, s, "SDAR"))
-        committed = _ranked(conf, counts, Window())
+        counts = _counts(tokens, steps, self.mask_id, lambda masks, s: _scheduled(self.schedule, s))
+        committed = _ranked(conf, counts, Window(), per_row=True)
         if self.threshold < 1.0:
             above = conf > self.threshold
             enough = above.sum(-1) >= torch.tensor(counts, device=conf.device)
@@ -203,6 +204,10 @@ class LladaRule:
     schedule: tuple[int, ...]  # commits per pass inside a block (LLaDA's num_transfer_tokens)
     temperature: float = 0.0
 
+    @property
+    def passes(self) -> int:
+        return len(self.schedule)
+
     def step(
         self, tokens: torch.Tensor, logits: torch.Tensor, gumbel, steps: tuple[int, ...], window: Window = Window()
     ) -> StepResult:
@@ -210,8 +215,8 @@ class LladaRule:
         z = logits[where]  # [M, V]
         chosen = sample(z, _rows(gumbel, where), self.temperature)
         confidence = torch.softmax(z, dim=-1).gather(-1, chosen[:, None])[:, 0]
-        counts = _counts(tokens, steps, self.mask_id, lambda masks, s: _scheduled(self.schedule, s, "LLaDA"))
-        committed = _ranked(_confidence_rows(tokens, where, confidence), counts, window)
+        counts = _counts(tokens, steps, self.mask_id, lambda masks, s: _scheduled(self.schedule, s))
+        committed = _ranked(_confidence_rows(tokens, where, confidence), counts, window, per_row=True)
         return _result(tokens, where, chosen, confidence, committed, self.mask_id)
 
 
@@ -228,6 +233,10 @@ class DreamRule:
     confidence: str = "entropy"
     top_k: int = 0
     top_p: float = 1.0
+
+    @property
+    def passes(self) -> int:
+        return self.steps
 
     def __post_init__(self) -> None:
         if self.confidence not in DREAM_CONFIDENCES:
@@ -254,7 +263,7 @@ class DreamRule:
             confidence = (probs * torch.log(probs + 1e-10)).sum(-1)
         timesteps = dream_timesteps(self.steps, logits.device)
         counts = _counts(tokens, steps, self.mask_id, lambda masks, s: dream_commits(masks, s, timesteps))
-        committed = _ranked(_confidence_rows(tokens, where, confidence), counts, window)
+        committed = _ranked(_confidence_rows(tokens, where, confidence), counts, window, per_row=False)
         return _result(tokens, where, chosen, confidence, committed, self.mask_id)
 
 
@@ -270,6 +279,7 @@ class FastDllmV2Rule:
     threshold: float = 1.0
     sub_block: int = 8
     top_p: float = 1.0
+    passes = None  # no schedule: every pass commits at least one position
 
     def step(
         self, tokens: torch.Tensor, logits: torch.Tensor, gumbel, steps: tuple[int, ...], window: Window = Window()
@@ -294,13 +304,9 @@ class FastDllmV2Rule:
         return _result(tokens, where, chosen, confidence, committed, self.mask_id)
 
 
-def _scheduled(schedule: tuple[int, ...], pass_index: int, family: str) -> int:
-    if pass_index >= len(schedule):
-        raise ValueError(
-            f"{family}'s schedule has {len(schedule)} passes per block; pass {pass_index} does not exist (a "
-            "committed mask token left a position masked)"
-        )
-    return schedule[pass_index]
+def _scheduled(schedule: tuple[int, ...], pass_index: int) -> int:
+    """Commits at a pass of the schedule (none past its end)."""
+    return schedule[pass_index] if pass_index < len(schedule) else 0
 
 
 def _counts(tokens: torch.Tensor, steps: tuple[int, ...], mask_id: int, count) -> list[int]:

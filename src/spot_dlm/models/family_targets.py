@@ -78,6 +78,13 @@ class FamilyTarget:
     # called after each scoring pass with (cache, blocks [K, L], logits [K, L, V]) (``check_model``'s flip probe)
     on_score: Any = None
 
+    # How the authors end: which stop tokens count ("generated": any after the prompt; "committed": only those the
+    # rule committed), whether the block that stops decoding is still closed by ``finish``, and whether the last
+    # ``finish`` adds its next token to the output.
+    stop_counts = "generated"
+    finish_stopping_block = True
+    trailing_token = False
+
     def __post_init__(self) -> None:
         config = self.model.config
         self.vocab_size = int(config.vocab_size)
@@ -216,13 +223,34 @@ class FastDllmV2Target(FamilyTarget):
     """Fast-dLLM v2: its own block mask (ours would be ignored), the cache written with
     ``update_past_key_values=True``, logits shifted inside the fed block, each block's first token known."""
 
+    stop_counts = "committed"
+    finish_stopping_block = False
+    trailing_token = True
+
     def plan(self, prompt_length: int, gen_length: int, block_length: int) -> CanvasPlan:
+        """``batch_sample``'s grid: ``G // B`` blocks from the one holding the prompt tail (a whole prompt: from the
+        next), plus the last store pass's token."""
         if prompt_length == block_length:
             raise ValueError(
                 f"a prompt of exactly one block ({block_length} tokens) is never read by Fast-dLLM v2's loop (it "
                 "prefills only prompts longer than a block); add or remove a token"
             )
-        return super().plan(prompt_length, gen_length, block_length)
+        if gen_length < block_length:
+            raise ValueError(f"Fast-dLLM v2 decodes whole blocks: gen length {gen_length} < block {block_length}")
+        if self.trained_block_length is not None and block_length != self.trained_block_length:
+            raise ValueError(
+                f"Fast-dLLM v2's denoising passes use the model's own block grid ({self.trained_block_length}): block "
+                f"length {block_length} is not defined for its loop"
+            )
+        first = (prompt_length // block_length) * block_length
+        n_blocks = gen_length // block_length
+        plan = CanvasPlan(prompt_length, block_length, first, n_blocks, first + n_blocks * block_length + 1)
+        if plan.canvas_length > self.max_length:
+            raise ValueError(
+                f"prompt of {prompt_length} tokens + gen length {gen_length} ({plan.canvas_length} on the "
+                f"{self.family.title} grid) exceeds the model's {self.max_length}-token context"
+            )
+        return plan
 
     def _forward(self, ids: torch.Tensor, kv, store: bool) -> torch.Tensor:
         """ids int64 [B, N] after the cache -> logits [B, N, V]"""

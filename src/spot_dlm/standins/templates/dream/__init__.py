@@ -1,0 +1,1 @@
+"""Template files of the Dream stand-in (configuration_dream.py, modeling_dream.py)."""

@@ -1,0 +1,1 @@
+"""Template files of the LLaDA stand-in (configuration_llada.py, modeling_llada.py)."""

@@ -1,0 +1,1 @@
+"""Template files of the SDAR stand-in (configuration_sdar.py, modeling_sdar.py)."""
