@@ -100,6 +100,21 @@ def test_stopping_is_the_authors(family: str, folders) -> None:
     assert raw.stats.target_passes == forwards
 
 
+@pytest.mark.parametrize(("family", "method"), [("sdar", "dynamic"), ("fast_dllm_v2", "threshold")])
+def test_threshold_rules_are_the_authors(family: str, method: str, folders) -> None:
+    target, _ = load_target(folders[family]["float32"], hf_options=REMOTE)
+    for seed, length in enumerate(PROMPT_LENGTHS[family][:2]):
+        prompt = _prompt(target, length, seed)
+        model, ids, mask, gen = target.model, prompt.tolist(), target.mask_id, GEN[family]
+        if family == "sdar":
+            expected, forwards = sdar_generate(model, ids, gen, 4, 4, mask, list(target.stop_ids), threshold=0.5)
+        else:
+            expected, forwards = fast_dllm_v2_generate(model, ids, gen, mask, target.stop_ids[0], threshold=0.5)
+        raw = _ours(target, prompt, _config(family, method=method, tau=0.5))
+        assert raw.token_ids.tolist() == expected and raw.stats.target_passes == forwards
+        assert raw.stats.committed_tokens > raw.stats.rule_steps  # some passes committed several positions
+
+
 SPECULATIVE = ("spot", "stale", "chain", "calibrated")
 SPECULATIVE_GEN = {"fast_dllm_v2": 32}  # one block and the store pass's token: every pass scores 32 x 152k logits
 

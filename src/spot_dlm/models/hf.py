@@ -10,9 +10,8 @@ shared without copies; after the pass the cache is cut back to the clean tokens.
 ``shifted_logits``: Dream and Fast-dLLM v2 predict token j from the hidden state at j - 1 (position 0 of a block
 from the last clean token); SDAR and LLaDA predict token j at j.
 
-Not reproduced (no weights here to check them against): SDAR's own loop aligns blocks to multiples of the block
-length counting the prompt and lets finished blocks attend bidirectionally inside themselves; LLaDA and Dream
-attend over the whole canvas without a cache.
+This is the *generic* family (stock Qwen2 / Qwen3 / Llama bodies). SDAR, LLaDA, Dream and Fast-dLLM v2 are driven
+through their own interfaces and loops by ``models/family_targets.py``.
 """
 
 from __future__ import annotations
