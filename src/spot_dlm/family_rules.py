@@ -182,7 +182,7 @@ class SdarRule:
         z = logits[where]  # [M, V] in the model's dtype
         scale = self.temperature if self.temperature > 0 else 1.0
         scores = top_p_filter(top_k_filter(z / scale, self.top_k), self.top_p)
-        chosen = sample(scores, _rows(gumbel, where), self.temperature)
+        chosen = sample(scores, _rows(gumbel, where), 1.0 if self.temperature > 0 else 0.0)  # scores are tempered
         confidence = torch.softmax(z / scale, dim=-1).gather(-1, chosen[:, None])[:, 0]  # [M], model dtype
         conf = _confidence_rows(tokens, where, confidence)  # [K, L]
         counts = _counts(tokens, steps, self.mask_id, lambda masks, s: _scheduled(self.schedule, s))
