@@ -389,3 +389,44 @@ def fast_dllm_v2_generate(
         if finished:
             break
     return x_t[0, P:].tolist(), nfe
+
+
+@torch.no_grad()
+def fast_dllm_v1_llada_generate(
+    model, prompt_ids: list[int], gen_length: int, block_length: int, mask_id: int, threshold: float
+) -> tuple[list[int], int]:
+    """Fast-dLLM v1 on LLaDA: ``generate`` of NVlabs/Fast-dLLM llada/generate.py (no cache) with ``threshold``, T = 0.
+
+    - Canvas and blocks as LLaDA's (blocks from P); every pass the whole canvas, ``model(x).logits``; the block loop
+      runs until the block has no masks (no step count).
+    - ``get_transfer_index``: x0 = argmax(logits); confidence = ``softmax(logits.to(float64))`` at x0; masked
+      positions after the block end are excluded; ``torch.topk(confidence[0], k = masked count)`` over the canvas
+      row; the first index always commits, a later one only if its confidence is not below the threshold.
+    Returns x[P:] (all G positions).
+    """
+    P = len(prompt_ids)
+    device = model.device
+    x = torch.full((1, P + gen_length), mask_id, dtype=torch.long, device=device)  # [1, P+G]
+    x[0, :P] = torch.tensor(prompt_ids, device=device)
+    nfe = 0
+    for num_block in range(gen_length // block_length):
+        end = P + (num_block + 1) * block_length
+        while bool((x[:, end - block_length : end] == mask_id).any()):
+            nfe += 1
+            mask_index = x == mask_id
+            logits = model(x).logits  # [1, P+G, V]
+            mask_index[:, end:] = False
+            x0 = torch.argmax(logits, dim=-1)
+            p = F.softmax(logits.to(torch.float64), dim=-1)
+            x0_p = torch.gather(p, -1, x0[..., None])[..., 0]
+            x0 = torch.where(mask_index, x0, x)
+            confidence = torch.where(mask_index, x0_p, NEG_INF)
+            k = int(mask_index[0].sum())
+            _, select_index = torch.topk(confidence[0], k=k)
+            transfer = torch.zeros_like(x, dtype=torch.bool)
+            transfer[0, select_index] = True
+            for rank in range(1, k):
+                if confidence[0, select_index[rank]] < threshold:
+                    transfer[0, select_index[rank]] = False
+            x[transfer] = x0[transfer]
+    return x[0, P:].tolist(), nfe

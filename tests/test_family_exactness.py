@@ -16,7 +16,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from reference_loops import dream_generate, fast_dllm_v2_generate, llada_generate, sdar_generate  # noqa: E402
+from reference_loops import (  # noqa: E402
+    dream_generate,
+    fast_dllm_v1_llada_generate,
+    fast_dllm_v2_generate,
+    llada_generate,
+    sdar_generate,
+)
 from spot_dlm.api import GenerateConfig, generate, load_target, settings_for  # noqa: E402
 from spot_dlm.cli import main  # noqa: E402
 from spot_dlm.decode import NoDrafter, decode_ids  # noqa: E402
@@ -100,7 +106,9 @@ def test_stopping_is_the_authors(family: str, folders) -> None:
     assert raw.stats.target_passes == forwards
 
 
-@pytest.mark.parametrize(("family", "method"), [("sdar", "dynamic"), ("fast_dllm_v2", "threshold")])
+@pytest.mark.parametrize(
+    ("family", "method"), [("sdar", "dynamic"), ("fast_dllm_v2", "threshold"), ("llada", "threshold")]
+)
 def test_threshold_rules_are_the_authors(family: str, method: str, folders) -> None:
     target, _ = load_target(folders[family]["float32"], hf_options=REMOTE)
     for seed, length in enumerate(PROMPT_LENGTHS[family][:2]):
@@ -108,6 +116,8 @@ def test_threshold_rules_are_the_authors(family: str, method: str, folders) -> N
         model, ids, mask, gen = target.model, prompt.tolist(), target.mask_id, GEN[family]
         if family == "sdar":
             expected, forwards = sdar_generate(model, ids, gen, 4, 4, mask, list(target.stop_ids), threshold=0.5)
+        elif family == "llada":
+            expected, forwards = fast_dllm_v1_llada_generate(model, ids, gen, 8, mask, threshold=0.5)
         else:
             expected, forwards = fast_dllm_v2_generate(model, ids, gen, mask, target.stop_ids[0], threshold=0.5)
         raw = _ours(target, prompt, _config(family, method=method, tau=0.5))
@@ -139,6 +149,37 @@ def test_speculative_methods_equal_the_family_standard(family: str, temperature:
                 assert out.target_passes <= ref.target_passes
                 accepted += sum(n for length, n in out.stats["accepted_lengths"].items() if int(length) > 1)
     assert accepted > 0  # drafts were accepted: the equality was not only ever the root
+
+
+SETS = {"sdar": ("dynamic", ("spot-sets-dynamic",)), "llada": ("threshold", ("spot-sets", "stale-sets"))}
+
+
+@pytest.mark.parametrize("family", list(SETS))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sets_methods_equal_the_familys_threshold_loop(family: str, temperature: float, folders) -> None:
+    target, codec = load_target(folders[family]["float64"], dtype=torch.float64, hf_options=REMOTE)
+    rule, methods = SETS[family]
+    base = {"temperature": temperature, "seed": 5, "tau": 0.5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (reference,) = generate(["what is 3 + 4 ?"], _config(family, method=rule, **base), target, codec)
+        for method in methods:
+            (out,) = generate(["what is 3 + 4 ?"], _config(family, method=method, budget=6, **base), target, codec)
+            assert out.raw_token_ids == reference.raw_token_ids, method
+            assert out.target_passes <= reference.target_passes
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_the_projects_float64_rule_on_a_familys_canvas_is_exact_too(family: str, folders) -> None:
+    target, codec = load_target(folders[family]["float64"], dtype=torch.float64, hf_options=REMOTE)
+    base = {"temperature": 0.7, "seed": 2, "numerics": "project"}
+    assert settings_for(_config(family, **base), target).family_rule is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (reference,) = generate(["what is 3 + 4 ?"], _config(family, method="standard", **base), target, codec)
+        (spot,) = generate(["what is 3 + 4 ?"], _config(family, method="spot", budget=6, **base), target, codec)
+    assert spot.raw_token_ids == reference.raw_token_ids and spot.target_passes <= reference.target_passes
+    assert target.mask_id not in reference.raw_token_ids
 
 
 # ------------------------------------------------------------------ the generic adapter's mistakes on these families

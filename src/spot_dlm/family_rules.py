@@ -221,6 +221,48 @@ class LladaRule:
 
 
 @dataclass(frozen=True)
+class LladaThresholdRule:
+    """Fast-dLLM v1's threshold pass on LLaDA's canvas (``llada/generate.py``, ``generate`` with ``threshold``, no
+    cache): token as LLaDA's; confidence = float64 softmax(logits) at it; ``torch.topk`` over the canvas row with k =
+    the block's masked positions; commit its first (the most confident) and every later one at or above ``tau``."""
+
+    mask_id: int
+    tau: float
+    temperature: float = 0.0
+    passes = None  # no schedule: every pass commits at least one position
+
+    def step(
+        self, tokens: torch.Tensor, logits: torch.Tensor, gumbel, steps: tuple[int, ...], window: Window = Window()
+    ) -> StepResult:
+        where = (tokens == self.mask_id).nonzero(as_tuple=True)
+        z = logits[where]  # [M, V]
+        chosen = sample(z, _rows(gumbel, where), self.temperature)
+        confidence = torch.softmax(z.to(torch.float64), dim=-1).gather(-1, chosen[:, None])[:, 0]
+        conf = _confidence_rows(tokens, where, confidence)  # float64 [K, L]
+        counts = (tokens == self.mask_id).sum(-1).tolist()
+        order = _topk_order(conf, counts, window)
+        committed = torch.zeros_like(tokens, dtype=torch.bool)
+        for state, positions in enumerate(order):
+            if positions:
+                committed[state, positions[0]] = True  # the first of topk always commits
+                committed[state, positions[1:]] = conf[state, positions[1:]] >= self.tau
+        return _result(tokens, where, chosen, confidence, committed, self.mask_id)
+
+
+def _topk_order(confidence: torch.Tensor, counts: list[int], window: Window) -> list[list[int]]:
+    """Per state, the block positions ``torch.topk(row, k)`` returns in order, over the 1-D canvas row."""
+    length = confidence.shape[1]
+    width = max(window.width, window.offset + length)
+    orders = []
+    for state, k in enumerate(counts):
+        row = torch.full((width,), float("-inf"), dtype=confidence.dtype, device=confidence.device)
+        row[window.offset : window.offset + length] = confidence[state]
+        picked = (torch.topk(row, k).indices - window.offset).tolist() if k > 0 else []
+        orders.append([p for p in picked if 0 <= p < length])
+    return orders
+
+
+@dataclass(frozen=True)
 class DreamRule:
     """Dream's pass (``diffusion_generate``, ``alg`` entropy / maskgit_plus / topk_margin, ``alg_temp`` 0): probs =
     softmax of the tempered, top-p then top-k filtered logits in their dtype; token = ``probs.max(-1)`` (T > 0:
@@ -335,7 +377,12 @@ class FamilyDecoding:
 def make_family_rule(spec: FamilyDecoding):
     """The family's own rule for a method's rule kind; a clear error for kinds its authors do not ship."""
     name, kind = spec.family, spec.kind
-    shipped = {"sdar": ("one", "dynamic"), "llada": ("one",), "dream": ("one",), "fast_dllm_v2": ("one", "threshold")}
+    shipped = {
+        "sdar": ("one", "dynamic"),
+        "llada": ("one", "threshold"),
+        "dream": ("one",),
+        "fast_dllm_v2": ("one", "threshold"),
+    }
     if kind not in shipped[name]:
         methods = {"one": "standard (and its speculative methods)", "dynamic": "dynamic", "threshold": "threshold"}
         allowed = ", ".join(methods[k] for k in shipped[name])
@@ -348,6 +395,8 @@ def make_family_rule(spec: FamilyDecoding):
         threshold = spec.tau if kind == "dynamic" else 1.0
         schedule = linear_schedule(length, steps)
         return SdarRule(spec.mask_id, schedule, temperature, threshold, spec.top_k, spec.top_p)
+    if name == "llada" and kind == "threshold":
+        return LladaThresholdRule(spec.mask_id, spec.tau, temperature)
     if name == "llada":
         n_blocks = spec.gen_length // length
         steps = spec.steps or spec.gen_length
