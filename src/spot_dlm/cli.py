@@ -144,6 +144,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from spot_dlm.report import results_markdown
+
+    print(results_markdown([Path(f) for f in args.files]), end="")
+    return 0
+
+
 def _check_model(args: argparse.Namespace) -> int:
     import torch
 
@@ -591,6 +598,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", default=None, help="also write the report to this file")
     _add_device_option(check)
     check.set_defaults(func=_check_model)
+
+    rep = sub.add_parser("report", help="benchmark JSON reports as Markdown (docs/results.md is made by it)")
+    rep.add_argument("files", nargs="+", help="benchmark JSON reports (spot-dlm bench --json)")
+    rep.set_defaults(func=_report)
 
     prep = sub.add_parser("prepare-data", help="build the tokenizer and token streams for target training")
     prep.add_argument("--out", default="data_cache/corpus")
