@@ -16,6 +16,14 @@ from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
 
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _budget_cache(tmp_path_factory):
+    """budget auto reads measurements from the user cache folder: tests see an empty one of their own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPOT_DLM_CACHE", str(tmp_path_factory.mktemp("spot_dlm_cache")))
+        yield
+
 TINY_VOCAB = 40
 
 

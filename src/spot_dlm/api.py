@@ -223,7 +223,9 @@ class GenerateConfig:
     tau: float = 0.9  # threshold / dynamic rules
     min_commits: int = 1  # dynamic rule: commit at least this many per pass
     stop_at_eos: bool = True
-    budget: int = 16  # speculative methods: draft-tree nodes scored per pass (root included)
+    # speculative methods: draft-tree nodes scored per pass (root included); None: auto, the budget measured fastest
+    # for this device and target (``budget.py``; without a measurement the device kind's prior)
+    budget: int | None = None
     depth: int = DEFAULT_DEPTH  # speculative methods: maximum draft depth
     alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
     drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
@@ -261,7 +263,7 @@ class GenerateConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.confidence not in CONFIDENCE_KINDS:
             raise ValueError(f"unknown confidence {self.confidence!r}; choose one of {', '.join(CONFIDENCE_KINDS)}")
-        if self.budget < 1:
+        if self.budget is not None and self.budget < 1:
             raise ValueError(f"budget (draft nodes per pass) must be >= 1, got {self.budget}")
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
@@ -295,6 +297,8 @@ class GenerateConfig:
     def settings(self) -> DecodeSettings:
         """Decoding settings for the built-in or a generic target (a family target: ``settings_for``)."""
         block = self.resolved_block_length
+        if self.gen_length % block:
+            raise ValueError(f"gen length {self.gen_length} is not a multiple of block length {block}")
         return DecodeSettings(self.rule(), block, self.gen_length, self.stop_at_eos, self.handoffs)
 
 
@@ -411,7 +415,19 @@ def load_transformers_target(path: Path, dtype: torch.dtype, device: torch.devic
     return load_family_target(path, family, config, dtype, device, bool(options.get("trust_remote_code")))
 
 
+def with_budget(config: GenerateConfig, target: Target) -> GenerateConfig:
+    """The config with ``budget`` auto (None) resolved for this target and device (``budget.choose_budget``)."""
+    from dataclasses import replace
+
+    from spot_dlm.budget import choose_budget
+
+    if config.budget is not None:
+        return config
+    return replace(config, budget=choose_budget(target, config.temperature).budget)
+
+
 def make_drafter(config: GenerateConfig, target: Target) -> Drafter:
+    config = with_budget(config, target)
     factory = DRAFTER_FACTORIES.get(config.method)
     return NoDrafter() if factory is None else factory(config, target)
 
@@ -452,6 +468,7 @@ def generate(
     """Decode every prompt (request ``first_request + i`` in the noise key) with the configured method."""
     if isinstance(prompts, str):
         prompts = [prompts]
+    config = with_budget(config, target)
     encoded = [encode_prompt(p, codec, config, target) for p in prompts]  # validate all before decoding any
     drafter = drafter if drafter is not None else make_drafter(config, target)
     settings = settings_for(config, target)

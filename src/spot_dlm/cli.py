@@ -7,12 +7,36 @@ import json
 import sys
 from pathlib import Path
 
-from spot_dlm.api import METHOD_RULES, NUMERICS, ORDER_MODEL_SIZES, GenerateConfig, generate, load_target
+from spot_dlm.api import (
+    DRAFTER_FACTORIES,
+    METHOD_RULES,
+    NUMERICS,
+    ORDER_MODEL_SIZES,
+    GenerateConfig,
+    generate,
+    load_target,
+)
 from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR, OrderModelConfig
 from spot_dlm.models.families import FAMILIES
 from spot_dlm.tree import DEFAULT_DEPTH
 
 FAMILY_NAMES = tuple(FAMILIES)
+
+
+BUDGET_HELP = (
+    "draft nodes scored per pass (speculative methods): a number, or auto (default: the budget measured fastest "
+    "here by spot-dlm calibrate, else 2); 16 and more make fewest passes"
+)
+
+
+def _budget(text: str) -> int | None:
+    """--budget: 'auto' (None) or a whole number."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget must be a whole number or auto, got {text!r}") from None
 
 
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -125,6 +149,10 @@ def _generate(args: argparse.Namespace) -> int:
         **_family_config(args),
     )
     target, codec = _load_model(args)
+    if config.budget is None and config.method in DRAFTER_FACTORIES:
+        from spot_dlm.budget import choose_budget
+
+        print(choose_budget(target, config.temperature).describe(), file=sys.stderr)
     for gen in generate(prompts, config, target, codec, progress=not args.json and len(prompts) > 1):
         if args.json:
             record = {
@@ -141,6 +169,29 @@ def _generate(args: argparse.Namespace) -> int:
                 f"{gen.text}\n[{gen.method}: {len(gen.token_ids)} tokens, {gen.target_passes} target passes, "
                 f"{gen.stats['wall_seconds']:.2f} s]"
             )
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from spot_dlm.budget import cache_path, calibrate
+    from spot_dlm.train.data import load_gsm8k
+
+    if args.n_prompts < 1 or args.gen_length < 1 or any(b < 1 for b in args.budgets):
+        raise ValueError("calibrate needs --n-prompts >= 1, --gen-length >= 1 and budgets >= 1")
+    target, codec = _load_model(args)
+    prompts = [item["question"] for item in load_gsm8k("test")[-args.n_prompts :]]  # apart from the bench's first ones
+    for temperature in args.temperatures:
+        with tqdm(total=len(prompts), desc=f"calibrate T={temperature:g}") as bar:
+            table = calibrate(
+                target, codec, prompts, temperature, args.gen_length, tuple(args.budgets), lambda i, n: bar.update(1)
+            )
+        ratios = ", ".join(f"{b}: {r:.2f}x" for b, r in sorted(table.items()))
+        print(
+            f"T={temperature:g}: tokens/s vs standard by budget {ratios} -> budget auto = {max(table, key=table.get)}"
+        )
+    print(f"cached in {cache_path()}")
     return 0
 
 
@@ -180,6 +231,7 @@ def _demo(args: argparse.Namespace) -> int:
         None if args.no_plot else Path(args.plot),
         device=args.device,
         budget=args.budget,
+        n_questions=args.questions,
     )
     return 0
 
@@ -514,9 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="decode a question on the built-in target and picture the commit order")
     _add_decoding_options(demo)
     demo.add_argument("--methods", default="standard", help="comma-separated methods to run side by side")
-    demo.add_argument(
-        "--budget", type=int, default=16, help="draft nodes per pass (16: fewest passes; 2: fastest on a CPU)"
-    )
+    demo.add_argument("--budget", type=_budget, default=None, help=BUDGET_HELP)
+    demo.add_argument("--questions", type=int, default=4, help="questions decoded (wall time over one is noise)")
     demo.add_argument("--plot", default="spot_demo_commit_order.png")
     demo.add_argument("--no-plot", action="store_true")
     demo.set_defaults(func=_demo)
@@ -529,7 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--method", default="standard", help=f"one of: {', '.join(sorted(METHOD_RULES))}")
     gen.add_argument("--drafter", default=None, help="drafter folder for speculative methods (default: shipped)")
     gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold (threshold, dynamic, spot-sets)")
-    gen.add_argument("--budget", type=int, default=16, help="draft nodes scored per pass (speculative methods)")
+    gen.add_argument("--budget", type=_budget, default=None, help=BUDGET_HELP)
     gen.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="maximum draft depth (speculative methods)")
     gen.add_argument("--alternatives", type=int, default=1, help="tokens tried per drafted position (spot, stale)")
     gen.add_argument(
@@ -598,6 +649,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", default=None, help="also write the report to this file")
     _add_device_option(check)
     check.set_defaults(func=_check_model)
+
+    cal = sub.add_parser("calibrate", help="measure the fastest SPOT budget here for a model (budget auto uses it)")
+    _add_model_options(cal)
+    cal.add_argument("--temperatures", type=_csv(float), default=(0.0, 1.0))
+    cal.add_argument("--n-prompts", type=int, default=4, help="GSM8K test questions decoded per setting")
+    cal.add_argument("--gen-length", type=int, default=64)
+    cal.add_argument("--budgets", type=_csv(int), default=(2, 3, 4, 8, 16), help="candidate budgets")
+    cal.set_defaults(func=_calibrate)
 
     rep = sub.add_parser("report", help="benchmark JSON reports as Markdown (docs/results.md is made by it)")
     rep.add_argument("files", nargs="+", help="benchmark JSON reports (spot-dlm bench --json)")

@@ -1,13 +1,16 @@
-"""The main job: decode one held-out question on the built-in target and show how the block was filled."""
+"""The main job: decode held-out questions on the built-in target with standard decoding and SPOT, show how the
+first question's blocks were filled, and compare passes and wall time over all of them."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from spot_dlm.api import GenerateConfig, Generation, generate, load_target
 from spot_dlm.models.checkpoint import load_training_state
 
+DEMO_QUESTIONS = 4  # the demo question and three GSM8K test questions: wall time over one is noise
 DEMO_QUESTION = (
     "A baker makes 24 muffins in the morning and 18 muffins in the afternoon. "
     "She sells 30 muffins. How many muffins does she have left?"
@@ -66,80 +69,78 @@ def run_demo(
     seed: int,
     plot_path: Path | None,
     device: str = "cpu",
-    budget: int = 16,
+    budget: int | None = None,
+    n_questions: int = DEMO_QUESTIONS,
 ) -> None:
+    """Decode the demo question and ``n_questions - 1`` GSM8K test questions with each method, interleaved; print
+    the first question's generations and commit order, then every method's passes and wall time over all of them."""
+    from spot_dlm.budget import choose_budget
+    from spot_dlm.train.data import load_gsm8k
+
     folder = Path(model) if model not in (None, "builtin") else _builtin_folder()
-    if not (folder / "model.safetensors").is_file() and model in (None, "builtin"):
-        target, codec = _random_builtin(folder)
-        print("NOTE: no trained built-in checkpoint is shipped yet: this demo runs a RANDOMLY INITIALISED model.")
-    else:
-        target, codec = load_target(model, device=device)
+    target, codec = load_target(model, device=device)
     state = load_training_state(folder)
-    if not state:
-        print("NOTE: this checkpoint carries no training record; outputs may come from an untrained model.")
-    else:
+    if state:
         print(
             f"target: {target.name}, {target.model.num_parameters() / 1e6:.2f}M parameters, "
             f"trained: {json.dumps(state.get('tokens_seen', {}))} tokens (ar = autoregressive, bd = block diffusion)"
         )
-    generations = []
-    from spot_dlm.api import DRAFTER_FACTORIES
-
-    for method in list(methods):
-        if method in DRAFTER_FACTORIES and not _drafter_available(method, target):
-            print(f"NOTE: skipping {method}: no drafter is shipped for it yet")
-            methods.remove(method)
-    for method in methods:
-        config = GenerateConfig(
-            method=method,
+    if budget is None and any(m != "standard" for m in methods):
+        print(choose_budget(target, temperature).describe())
+    questions = [DEMO_QUESTION] + [item["question"] for item in load_gsm8k("test")[: max(n_questions - 1, 0)]]
+    configs = [
+        GenerateConfig(
+            method=m,
             block_length=block_length,
             gen_length=gen_length,
             temperature=temperature,
             seed=seed,
             budget=budget,
         )
-        generations.append(generate([DEMO_QUESTION], config, target, codec)[0])
+        for m in methods
+    ]
+    for config in configs:  # warm-up: kernels and drafters loaded before anything is timed
+        generate([questions[0]], replace(config, gen_length=block_length), target, codec)
+    runs: dict[str, list[Generation]] = {m: [] for m in methods}
+    for index, question in enumerate(questions):  # interleaved: each question by every method in turn
+        for config in configs:
+            runs[config.method] += generate([question], config, target, codec, first_request=index)
+    first = [runs[m][0] for m in methods]
     print(f"\nQuestion: {DEMO_QUESTION}\n")
-    for gen in generations:
-        s = gen.stats
+    for gen in first:
         print(f"--- {gen.method} (block {block_length}, T={temperature}) ---")
         print(gen.text)
-        print(
-            f"[{len(gen.token_ids)} tokens, {s['target_passes']} target passes, {s['query_tokens']} query tokens, "
-            f"{s['committed_tokens'] / max(s['target_passes'], 1):.2f} commits/pass, {s['wall_seconds']:.2f} s]"
-        )
         print("commit order (the step inside each block at which a position was filled):")
         print(render_grid(commit_order_grid(gen, block_length)))
         print()
-    if len(generations) > 1:
-        same = all(g.raw_token_ids == generations[0].raw_token_ids for g in generations)
-        print(f"all methods produced identical tokens: {same}")
+    print(summary_lines(runs, len(questions)))
     if plot_path is not None:
-        plot_commit_order(generations, block_length, plot_path, lambda i: codec.decode([i]).strip() or "·")
+        plot_commit_order(first, block_length, plot_path, lambda i: codec.decode([i]).strip() or "·")
         print(f"commit-order picture: {plot_path}")
 
 
-def _drafter_available(method: str, target) -> bool:
-    from spot_dlm.api import make_drafter
-
-    try:
-        make_drafter(GenerateConfig(method=method), target)
-    except (FileNotFoundError, ValueError):
-        return False
-    return True
-
-
-def _random_builtin(folder: Path):
-    import torch
-
-    from spot_dlm.models.builtin import BuiltinTarget
-    from spot_dlm.models.tokenizer import TextCodec
-    from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
-
-    codec = TextCodec.from_file(folder / "tokenizer.json")
-    torch.manual_seed(0)
-    model = BlockDiffusionLM(ModelConfig(vocab_size=codec.vocab_size)).eval()
-    return BuiltinTarget(model=model, name="builtin-random-init"), codec
+def summary_lines(runs: dict[str, list[Generation]], n_questions: int) -> str:
+    """Per method: passes, tokens and wall time over all questions, as ratios to the first method's."""
+    totals = {
+        method: (
+            sum(g.target_passes for g in gens),
+            sum(len(g.raw_token_ids) for g in gens),
+            sum(g.stats["wall_seconds"] for g in gens),
+        )
+        for method, gens in runs.items()
+    }
+    base_method = next(iter(runs))
+    base_passes, _, base_seconds = totals[base_method]
+    lines = [f"{n_questions} questions, decoded interleaved in this process:"]
+    for method, (passes, tokens, seconds) in totals.items():
+        lines.append(
+            f"  {method:<10} {passes:>6} target passes  {seconds:7.2f} s  {tokens / seconds:7.1f} tokens/s"
+            f"  ({base_passes / passes:.2f}x fewer passes, {base_seconds / seconds:.2f}x faster than {base_method})"
+        )
+    reference = runs[base_method]
+    same = all(g.raw_token_ids == r.raw_token_ids for gens in runs.values() for g, r in zip(gens, reference))
+    lines.append(f"every method produced the same tokens as {base_method}: {same}")
+    return "\n".join(lines)
 
 
 def _builtin_folder() -> Path:
