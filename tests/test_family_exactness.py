@@ -140,7 +140,7 @@ def test_speculative_methods_equal_the_family_standard(family: str, temperature:
         standard = generate(
             prompts, _config(family, SPECULATIVE_GEN.get(family), method="standard", **base), target, codec
         )
-        accepted = 0
+        accepted = handed_off = 0
         for method in SPECULATIVE:
             config = _config(family, SPECULATIVE_GEN.get(family), method=method, budget=6, **base)
             outs = generate(prompts, config, target, codec)
@@ -148,7 +148,10 @@ def test_speculative_methods_equal_the_family_standard(family: str, temperature:
                 assert out.raw_token_ids == ref.raw_token_ids, method
                 assert out.target_passes <= ref.target_passes
                 accepted += sum(n for length, n in out.stats["accepted_lengths"].items() if int(length) > 1)
+                handed_off += out.stats["handoff_blocks"]
     assert accepted > 0  # drafts were accepted: the equality was not only ever the root
+    if family in ("sdar", "llada"):  # blocks opened by a hand-off (the finish pass and next first pass in one)
+        assert handed_off > 0
 
 
 SETS = {"sdar": ("dynamic", ("spot-sets-dynamic",)), "llada": ("threshold", ("spot-sets", "stale-sets"))}
@@ -180,6 +183,29 @@ def test_the_projects_float64_rule_on_a_familys_canvas_is_exact_too(family: str,
         (spot,) = generate(["what is 3 + 4 ?"], _config(family, method="spot", budget=6, **base), target, codec)
     assert spot.raw_token_ids == reference.raw_token_ids and spot.target_passes <= reference.target_passes
     assert target.mask_id not in reference.raw_token_ids
+
+
+def test_an_sdar_hand_off_is_the_finish_pass_and_the_next_first_pass(folders) -> None:
+    target, _ = load_target(folders["sdar"]["float64"], dtype=torch.float64, hf_options=REMOTE)
+    prompt = _prompt(target, 6, 3)
+    generator = torch.Generator().manual_seed(4)
+    blocks = torch.randint(100, 600, (3, 4), generator=generator)
+    blocks[:, ::2] = target.mask_id
+    complete = torch.randint(100, 600, (2, 4), generator=generator)
+    all_mask = torch.full((1, 4), target.mask_id)
+    plan = target.plan(6, 8, 4)
+    for m in range(2):
+        cache, first = target.open(prompt, plan)
+        scored = target.score_handoffs(cache, blocks, complete)
+        torch.testing.assert_close(scored.logits, target.score(cache, blocks).logits)
+        opened = scored.opening(m)
+        apart, _ = target.open(prompt, plan)
+        apart, _ = target.finish(apart, complete[m], plan)  # the authors' finish pass
+        assert opened.length == apart.length == 8
+        for mine, theirs in zip(opened.kv.layers, apart.kv.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys)
+            torch.testing.assert_close(mine.values, theirs.values)
+        torch.testing.assert_close(scored.next_logits[m], target.score(apart, all_mask).logits[0])
 
 
 # ------------------------------------------------------------------ the generic adapter's mistakes on these families

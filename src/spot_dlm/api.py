@@ -277,8 +277,9 @@ class GenerateConfig:
             raise ValueError(f"unknown order model {self.order_model!r}; choose one of {', '.join(ORDER_MODEL_SIZES)}")
         if self.alternatives < 1:
             raise ValueError(f"alternatives must be >= 1, got {self.alternatives}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        from spot_dlm.safety import check_generate_config  # seed range, budget x block, the drafter folder's kind
+
+        check_generate_config(self)
         self.rule()  # validates temperature, tau, min_commits
 
     def rule(self) -> CommitRule:
@@ -348,7 +349,7 @@ def settings_for(config: GenerateConfig, target) -> DecodeSettings:
         )
         family_rule = make_family_rule(spec)
     rule = config.rule()
-    return DecodeSettings(rule, length, config.gen_length, config.stop_at_eos, False, family_rule)
+    return DecodeSettings(rule, length, config.gen_length, config.stop_at_eos, config.handoffs, family_rule)
 
 
 @dataclass(frozen=True)

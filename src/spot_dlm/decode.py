@@ -460,9 +460,11 @@ def decode_canvas(
     plan = target.plan(prompt_ids.shape[0], settings.gen_length, settings.block_length)
     cache, state = target.open(prompt_ids, plan)
     blocks, steps, pass_nos = [], [], []
+    can_hand_off = settings.handoffs and scores_handoffs(target)
+    opening = None  # the next block's first pass, when the last round handed it off
     for block_index in range(plan.n_blocks):
         prefix = torch.cat([prompt_ids[: plan.first_start].to(state.device), *blocks])  # [P]
-        block, cache, trace, _ = decode_block(
+        block, cache, trace, opening = decode_block(
             target,
             cache,
             None,
@@ -474,6 +476,8 @@ def decode_canvas(
             start_passes,
             observer,
             prefix=prefix,
+            opening=opening,
+            handoffs=can_hand_off and block_index + 1 < plan.n_blocks,
             initial=state,
             window=target.window(plan, block_index),
         )
@@ -486,6 +490,11 @@ def decode_canvas(
         last = stop or block_index + 1 == plan.n_blocks
         if stop and not target.finish_stopping_block:
             break
+        if opening is not None:  # handed off: the candidate's pass closed the block and opened the next one
+            if last:
+                break
+            cache, state = opening.cache, target.next_state(plan)
+            continue
         cache, state = target.finish(cache, block, plan)
         if last:
             if target.trailing_token and not stop:  # the last store pass's token ends the output

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from spot_dlm.family_rules import Window
-from spot_dlm.models.base import PassCounter, ScoreResult
+from spot_dlm.models.base import HandoffScore, PassCounter, ScoreResult
 from spot_dlm.models.families import Family
+from spot_dlm.models.hf import keep_first
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,11 @@ class FamilyTarget:
             return Window(plan.block_start(block_index), plan.canvas_length)
         return Window()
 
+    def next_state(self, plan: CanvasPlan) -> torch.Tensor:
+        """The starting state of a block after the first: all masks (Fast-dLLM v2 opens with a known token and does
+        not hand off)."""
+        return self._starting_state(plan, torch.zeros(0, dtype=torch.int64))
+
     def _starting_state(self, plan: CanvasPlan, known: torch.Tensor) -> torch.Tensor:
         """int64 [L]: ``known`` tokens, then masks."""
         state = torch.full((plan.block_length,), self.mask_id, dtype=torch.int64, device=self.device)
@@ -206,6 +212,48 @@ class SdarTarget(FamilyTarget):
         positions = torch.arange(cache.length, cache.length + length, device=device).repeat(n_nodes)
         logits = self._forward(blocks.to(device).reshape(-1), allowed, positions, cache.kv, False)
         return logits.reshape(n_nodes, length, -1)
+
+    @torch.no_grad()
+    def score_handoffs(self, cache: KVPrefix, blocks: torch.Tensor, handoffs: torch.Tensor) -> HandoffScore:
+        """One pass over K candidate states and M hand-offs, each a complete candidate encoded as the authors' finish
+        pass encodes a block (the cache and itself, bidirectionally) followed by the all-mask next block (which sees
+        the cache, that candidate and itself): logits [K, L, V] and the next block's [M, L, V]; ``opening(m)``
+        writes complete candidate m's keys and values into the cache, as its finish pass would."""
+        (n_nodes, length), n_handoffs, device = blocks.shape, handoffs.shape[0], self.device
+        start = cache.length
+        masks = torch.full((n_handoffs, length), self.mask_id, dtype=torch.int64, device=device)
+        ids = torch.cat([blocks.to(device).reshape(-1), torch.cat([handoffs.to(device), masks], 1).reshape(-1)])
+        groups = torch.cat(
+            [
+                torch.arange(n_nodes, device=device).repeat_interleave(length),
+                (n_nodes + torch.arange(2 * n_handoffs, device=device)).repeat_interleave(length),
+            ]
+        )  # [N]: one group per candidate, per complete candidate and per next block
+        finished_of = torch.where(groups >= n_nodes, n_nodes + 2 * ((groups - n_nodes) // 2), -1)  # its branch's block
+        is_next = (groups >= n_nodes) & ((groups - n_nodes) % 2 == 1)
+        within = (groups[:, None] == groups) | (is_next[:, None] & (groups[None, :] == finished_of[:, None]))
+        allowed = torch.cat([torch.ones(ids.shape[0], start, dtype=torch.bool, device=device), within], dim=1)
+        offsets = torch.where(is_next, length, 0)
+        positions = start + offsets + torch.arange(ids.shape[0], device=device) % length
+        logits = self._forward(ids, allowed, positions, cache.kv, True)  # writes every query token: cut back below
+        first = start + n_nodes * length
+        written = [
+            [
+                (layer.keys[:, :, at : at + length].clone(), layer.values[:, :, at : at + length].clone())
+                for layer in cache.kv.layers
+            ]
+            for at in range(first, first + 2 * length * n_handoffs, 2 * length)
+        ]
+        keep_first(cache.kv, start)
+        rows = logits[n_nodes * length :].reshape(n_handoffs, 2, length, -1)  # [M, complete | next block, L, V]
+
+        def opening(m: int) -> KVPrefix:
+            for index, (keys, values) in enumerate(written[m]):
+                cache.kv.update(keys, values, index)
+            return KVPrefix(start + length, cache.kv)
+
+        nodes = logits[: n_nodes * length].reshape(n_nodes, length, -1)
+        return HandoffScore(logits=nodes, next_logits=rows[:, 1], opening=opening)
 
     @torch.no_grad()
     def finish(self, cache: KVPrefix, block: torch.Tensor, plan: CanvasPlan) -> tuple[KVPrefix, torch.Tensor]:
@@ -327,10 +375,41 @@ class FullCanvasTarget(FamilyTarget):
         first = start - 1 if self.family.shifted else start  # shifted: token j from position j - 1
         return logits[:, first : first + length]
 
+    @torch.no_grad()
+    def score_handoffs(self, cache: CanvasPrefix, blocks: torch.Tensor, handoffs: torch.Tensor) -> HandoffScore:
+        """K candidate rows and M hand-off rows in one batch: a hand-off row holds a complete candidate and the
+        all-mask next block after it (the next block's own first pass). -> logits [K, L, V], next [M, L, V]"""
+        n_nodes, length = blocks.shape
+        start = cache.tokens.shape[0]
+        ahead = torch.cat([handoffs.to(self.device), torch.full_like(handoffs, self.mask_id).to(self.device)], 1)
+        future = cache.plan.canvas_length - start - 2 * length
+        rows = torch.cat(
+            [
+                cache.tokens.expand(n_nodes + handoffs.shape[0], -1),
+                torch.cat([_pad(blocks.to(self.device), length, self.mask_id), ahead]),
+                torch.full((n_nodes + handoffs.shape[0], future), self.mask_id, dtype=torch.int64, device=self.device),
+            ],
+            dim=1,
+        )  # [K + M, W]
+        logits = self._forward(rows)
+        first = start - 1 if self.family.shifted else start
+        nodes = logits[:n_nodes, first : first + length]
+        next_logits = logits[n_nodes:, first + length : first + 2 * length]
+
+        def opening(m: int) -> CanvasPrefix:
+            return CanvasPrefix(torch.cat([cache.tokens, handoffs[m].to(self.device)]), cache.plan)
+
+        return HandoffScore(logits=nodes, next_logits=next_logits, opening=opening)
+
     def finish(self, cache: CanvasPrefix, block: torch.Tensor, plan: CanvasPlan) -> tuple[CanvasPrefix, torch.Tensor]:
         """No pass: the block joins the clean text."""
         tokens = torch.cat([cache.tokens, block.to(self.device)])
         return CanvasPrefix(tokens, plan), self._starting_state(plan, block.new_zeros(0))
+
+
+def _pad(blocks: torch.Tensor, length: int, mask_id: int) -> torch.Tensor:
+    """Candidate blocks [K, L] followed by the all-mask next block [K, L] -> [K, 2 L]."""
+    return torch.cat([blocks, torch.full_like(blocks, mask_id)], dim=1)
 
 
 TARGET_CLASSES = {"sdar": SdarTarget, "fast_dllm_v2": FastDllmV2Target, "llada": FullCanvasTarget}
