@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from spot_dlm.decode import DecodeSettings, DecodeStats, Drafter, NoDrafter, decode_ids
+from spot_dlm.decode import DecodeSettings, Drafter, NoDrafter, decode_ids
 from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
 from spot_dlm.models.base import Target
 from spot_dlm.noise import NoiseKey
@@ -491,20 +491,3 @@ def generate(
             )
         )
     return results
-
-
-def total_stats(generations: Sequence[Generation]) -> DecodeStats:
-    total = DecodeStats()
-    for g in generations:
-        s = g.stats
-        total.merge(
-            DecodeStats(
-                target_passes=s["target_passes"],
-                query_tokens=s["query_tokens"],
-                wall_seconds=s["wall_seconds"],
-                draft_seconds=s["draft_seconds"],
-                rule_steps=s["rule_steps"],
-                committed_tokens=s["committed_tokens"],
-            )
-        )
-    return total
