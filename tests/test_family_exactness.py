@@ -8,6 +8,7 @@ makes on these families are shown failing there.
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -295,6 +296,17 @@ def test_block_length_and_context_checks(folders, capsys) -> None:
     assert main([*base, "--gen-length", "4096"]) == 2
     err = capsys.readouterr().err
     assert "not defined for its loop" in err and "context" in err
+
+
+def test_cli_generates_with_a_family_checkpoint(folders, capsys) -> None:
+    folder = str(folders["llada"]["float32"])
+    base = ["generate", "--model", folder, "--trust-remote-code", "--prompt", "what is 3 + 4?", "--gen-length", "16"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main([*base, "--block-length", "8", "--json"]) == 0
+        assert main([*base, "--block-length", "8", "--json", "--method", "spot", "--budget", "4"]) == 0
+    standard, spot = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert spot["token_ids"] == standard["token_ids"] and spot["target_passes"] <= standard["target_passes"]
 
 
 def test_check_model_runs_on_a_stand_in(folders, tmp_path: Path, capsys) -> None:
