@@ -130,13 +130,13 @@ def check_model(
     progress(f"check-model: {folder} as {getattr(getattr(target, 'family', None), 'title', 'a built-in target')}")
     _run("standard", prompts[:1], standard_config, target, codec)  # warm-up (kernels, caches)
     standard, standard_ids = _run("standard", prompts, standard_config, target, codec)
-    probe = FlipProbe(target)
+    spot, spot_ids = _run("spot", prompts, spot_config, target, codec)
+    probe = FlipProbe(target)  # a second SPOT run, apart from the timed one: the probe's own passes take time
     if is_family_target(target):
         target.on_score = probe
-    try:
-        spot, spot_ids = _run("spot", prompts, spot_config, target, codec)
-    finally:
-        if is_family_target(target):
+        try:
+            _run("spot", prompts, spot_config, target, codec)
+        finally:
             target.on_score = None
     authors = [
         authors_generate(target, encode_prompt(p, codec, standard_config, target), standard_config) for p in prompts
