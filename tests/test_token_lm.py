@@ -204,6 +204,8 @@ def test_spot_drafter_prefers_the_folders_token_lm_unless_told(long_checkpoint, 
     assert plain.neighbours is None  # no bigram in this folder
     config = GenerateConfig(method="spot", drafter=str(folder), neighbour_tokens=False, token_lm=True)
     assert make_drafter(config, target).neighbours is None
+    for name in ("drafter.safetensors", "drafter_config.json"):  # spot-sets reads a sets model beside the LM
+        (folder / name).write_bytes((default_drafter_dir().parent / "sets_drafter" / name).read_bytes())
     sets = make_drafter(GenerateConfig(method="spot-sets", drafter=str(folder), token_lm=True), target)
     assert isinstance(sets.neighbours, TokenLM)
 

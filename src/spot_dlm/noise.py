@@ -10,6 +10,7 @@ Uniforms carry 53 random bits and are mapped to Gumbel(0, 1) in float64.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,15 @@ def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
     return z ^ _shift_right_logical(z, 31)
 
 
+MAX_SEED = _MASK64  # the key is 64 bits: a larger seed would alias one below 2**64
+
+
+def check_seed(seed: int) -> None:
+    """A seed names one noise stream: an integer in [0, 2**64), else a ValueError."""
+    if not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+
+
 def fold_key(*fields: int) -> int:
     """Fold integer key fields into one 64-bit key (order matters; negative fields are rejected)."""
     key = 0
@@ -80,6 +90,11 @@ class NoiseKey:
 
     seed: int
     request: int = 0
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed)
+        if not 0 <= self.request <= MAX_SEED:
+            raise ValueError(f"request index must be in [0, 2**64), got {self.request}")
 
     def pass_key(self, block: int, pass_index: int) -> int:
         """The folded key of pass ``pass_index`` (counted inside the block) of block ``block``."""

@@ -9,7 +9,10 @@ position; a softmax over the positions still masked on the branch is the next-co
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -198,22 +201,75 @@ class FrozenOrderModel:
 def one_host_thread(device: torch.device) -> Iterator[None]:
     """Run torch's host ops on one thread inside the block, then restore the thread count.
 
-    An order model's matrices (a few blocks of 32 positions, width 64 to 128) are too small to split: on two CPU
-    threads its forward took 0.51 ms against 0.40 ms on one (setting the count costs nothing measurable), while the
-    target's passes around it keep every thread. Not for concurrent use of torch from several Python threads."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
+    An order model's matrices (a few blocks of 32 positions, width 64 to 128) are too small to split, while the
+    target's passes around it keep every thread. Safe from several Python threads: the first to enter saves the
+    count and sets one thread, the last to leave restores it."""
+    if device.type != "cpu":
         yield
         return
-    torch.set_num_threads(1)
+    _ONE_THREAD.enter()
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        _ONE_THREAD.leave()
+
+
+class _OneThread:
+    """The shared state of ``one_host_thread``: how many callers are inside, and the count to restore."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.inside = 0
+        self.saved = 1
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.inside == 0:
+                self.saved = torch.get_num_threads()
+                if self.saved != 1:
+                    torch.set_num_threads(1)
+            self.inside += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.inside -= 1
+            if self.inside == 0 and torch.get_num_threads() != self.saved:
+                torch.set_num_threads(self.saved)
+
+
+_ONE_THREAD = _OneThread()
+_FROZEN: dict[tuple, FrozenOrderModel] = {}  # (config, device, weights digest) -> its frozen trace
+_FROZEN_LOCK = threading.Lock()
+MAX_FROZEN = 8  # frozen traces kept (one per distinct order model in use)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """A digest of a module's parameter names, shapes, dtypes and values (identifies a trained model)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def freeze_order_model(model: OrderModel) -> FrozenOrderModel:
-    """Trace ``model`` (eval mode, any batch size and block length up to its maximum) and freeze the trace."""
+    """Trace ``model`` (eval mode, any batch size and block length up to its maximum) and freeze the trace.
+
+    Traced once per distinct model (config, device, weights) and cached: callers on several threads share one
+    frozen graph (concurrent tracing fails torch's trace check), and a drafter built per call costs no trace."""
+    key = (model.config, str(model.device), weights_digest(model))
+    with _FROZEN_LOCK:
+        frozen = _FROZEN.get(key)
+        if frozen is None:
+            frozen = _trace(model)
+            if len(_FROZEN) >= MAX_FROZEN:
+                del _FROZEN[next(iter(_FROZEN))]  # the oldest
+            _FROZEN[key] = frozen
+        return frozen
+
+
+def _trace(model: OrderModel) -> FrozenOrderModel:
     example = torch.zeros(1, 2, model.config.n_features, device=model.device)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # shapes are read from the input on every call
@@ -316,17 +372,84 @@ class StaleView:
         )
 
 
+DRAFTER_WEIGHTS_FILE = "drafter.safetensors"
+DRAFTER_CONFIG_FILE = "drafter_config.json"
+DRAFTER_METRICS_FILE = "drafter_metrics.json"
+SETS_METHODS = ("spot-sets", "spot-sets-dynamic")  # methods whose drafter folder holds a sets model (tau input)
+
+
 def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = None) -> None:
+    """Write weights, config and metrics, each to a temporary name renamed into place (an interrupted save leaves
+    every file whole)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     metadata = {"config": json.dumps(asdict(model.config))}
-    save_file(tensors, str(folder / "drafter.safetensors"), metadata=metadata)
-    (folder / "drafter_config.json").write_text(json.dumps(asdict(model.config), indent=2))
+    weights = folder / DRAFTER_WEIGHTS_FILE
+    save_file(tensors, str(weights) + ".tmp", metadata=metadata)
+    os.replace(str(weights) + ".tmp", weights)
+    _write_text(folder / DRAFTER_CONFIG_FILE, json.dumps(asdict(model.config), indent=2))
     if metrics is not None:
-        (folder / "drafter_metrics.json").write_text(json.dumps(metrics, indent=2))
+        _write_text(folder / DRAFTER_METRICS_FILE, json.dumps(metrics, indent=2))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def is_sets_model(config: OrderModelConfig) -> bool:
+    """A SPOT-Sets model reads the threshold rule's tau; SPOT's order model does not."""
+    return config.threshold_feature
+
+
+def read_drafter_config(folder: Path) -> OrderModelConfig | None:
+    """The order model config a folder holds (None: no drafter_config.json there)."""
+    path = Path(folder) / DRAFTER_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        return OrderModelConfig(**json.loads(path.read_text()))
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(f"invalid drafter config {path}: {err}") from err
+
+
+def check_drafter_kind(config: OrderModelConfig, sets: bool, source: Path | str) -> None:
+    """A SPOT-Sets model where SPOT's order model is wanted (or the reverse) is a ValueError naming both."""
+    if is_sets_model(config) != sets:
+        found = "a SPOT-Sets model (spot-sets)" if is_sets_model(config) else "a SPOT order model (spot)"
+        wanted = "a SPOT-Sets model (train-drafter --sets)" if sets else "a SPOT order model (train-drafter)"
+        raise ValueError(f"{source} holds {found}; this needs {wanted}")
+
+
+def check_drafter_folder(method: str, folder: str | Path | None, order_model: str = "auto", token_lm: bool = False):
+    """The parts a speculative method reads from a drafter folder given by the user, checked before any work: the
+    folder exists, holds the model kind the method needs, and the small order model or token LM asked for.
+    ``folder`` None (the shipped drafters) and methods without a drafter folder pass."""
+    from spot_dlm.drafters.token_lm import TOKEN_LM_FIT_FILE
+
+    if folder is None or method not in ("spot", "calibrated", *SETS_METHODS):
+        return
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"drafter folder not found: {folder}")
+    if method == "calibrated":
+        return
+    sets = method in SETS_METHODS
+    for place in (folder, folder / "small"):
+        config = read_drafter_config(place)
+        if config is not None:
+            check_drafter_kind(config, sets, place)
+    if order_model == "small" and not (folder / "small" / DRAFTER_CONFIG_FILE).is_file():
+        raise ValueError(f"no small order model in {folder} (expected {folder / 'small' / DRAFTER_CONFIG_FILE})")
+    if token_lm and not (folder / TOKEN_LM_FIT_FILE).is_file():
+        raise ValueError(
+            f"--token-lm: {folder} has no token LM ({TOKEN_LM_FIT_FILE}; spot-dlm fit-token-survival --token-lm "
+            "installs one)"
+        )
 
 
 def _check_config_metadata(path: Path, config: OrderModelConfig) -> None:
@@ -341,17 +464,13 @@ def _check_config_metadata(path: Path, config: OrderModelConfig) -> None:
 
 def load_order_model(folder: Path) -> OrderModel:
     folder = Path(folder)
-    config_path = folder / "drafter_config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"drafter config not found: {config_path}")
-    try:
-        config = OrderModelConfig(**json.loads(config_path.read_text()))
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
-        raise ValueError(f"invalid drafter config {config_path}: {err}") from err
-    weights = load_weights(folder / "drafter.safetensors")
-    _check_config_metadata(folder / "drafter.safetensors", config)
+    config = read_drafter_config(folder)
+    if config is None:
+        raise FileNotFoundError(f"drafter config not found: {folder / DRAFTER_CONFIG_FILE}")
+    weights = load_weights(folder / DRAFTER_WEIGHTS_FILE)
+    _check_config_metadata(folder / DRAFTER_WEIGHTS_FILE, config)
     model = OrderModel(config)
-    check_state_dict(model.state_dict(), weights, folder / "drafter.safetensors")
+    check_state_dict(model.state_dict(), weights, folder / DRAFTER_WEIGHTS_FILE)
     model.load_state_dict(weights)
     return model.eval()
 
@@ -394,6 +513,8 @@ class SpotDrafter:
     name: str = "spot"
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            check_drafter_kind(self.model.config, False, "the order model given to SPOT")
         if self.model is None and not self.confidence_prior > 0:
             raise ValueError("without an order model the confidence prior ranks positions alone: it must be > 0")
         if self.model is not None and self.model.config.corrected_feature and self.neighbours is None:
