@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+PLOT_FILES = ("passes_ratio_vs_budget.png", "tokens_per_second_vs_budget.png", "acceptance_by_depth.png")
 
 
 def _settings(rows: list[dict]) -> list[tuple[str, float]]:
@@ -29,8 +32,8 @@ def plot_report(report: dict, out_dir: Path) -> list[Path]:
     paths = []
     settings = _settings(rows)
     for metric, label, name in (
-        ("passes_ratio_vs_standard", "target passes ratio (baseline / method)", "passes_ratio_vs_budget.png"),
-        ("tokens_per_second", "tokens / s (this machine)", "tokens_per_second_vs_budget.png"),
+        ("passes_ratio_vs_standard", "target passes ratio (baseline / method)", PLOT_FILES[0]),
+        ("tokens_per_second", "tokens / s (this machine)", PLOT_FILES[1]),
     ):
         fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
         for ax, (task, temperature) in zip(axes[0], settings):
@@ -52,11 +55,7 @@ def plot_report(report: dict, out_dir: Path) -> list[Path]:
             ax.set_ylabel(label)
             ax.set_title(f"{task}, T={temperature:g}")
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir / name))
     fig, axes = plt.subplots(1, len(settings), figsize=(5.5 * len(settings), 4), squeeze=False)
     for ax, (task, temperature) in zip(axes[0], settings):
         subset = [r for r in rows if r["task"] == task and r["temperature"] == temperature and r["budget"]]
@@ -71,9 +70,17 @@ def plot_report(report: dict, out_dir: Path) -> list[Path]:
         ax.set_ylabel("P(accepted length >= k)")
         ax.set_title(f"acceptance by depth, budget {best_budget}, {task}, T={temperature:g}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "acceptance_by_depth.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    paths.append(save_figure(fig, out_dir / PLOT_FILES[2]))
     return paths
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> Path:
+    """Save a PNG under a temporary name, then rename it into place (a plot there stays whole until then)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=dpi, format="png")
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

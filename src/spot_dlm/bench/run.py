@@ -33,6 +33,7 @@ from spot_dlm.api import (
 )
 from spot_dlm.decode import Drafter, RawGeneration
 from spot_dlm.drafters.simple import OracleDrafter
+from spot_dlm.safety import write_text_atomic
 from spot_dlm.tree import DEFAULT_DEPTH
 
 TASKS = ("gsm8k", "gsm_symbolic", "humaneval")
@@ -69,6 +70,11 @@ class BenchConfig:
             raise ValueError("n_prompts must be >= 1")
         if not self.budgets or min(self.budgets) < 1:
             raise ValueError("budgets must be >= 1")
+        if not self.methods or not self.temperatures or not self.taus:
+            raise ValueError("give at least one method, temperature and tau")
+        for method, budget, tau in [("standard", None, None), *_jobs(self)]:  # every row's config, checked now
+            for temperature in self.temperatures:
+                setting_config(method, budget, temperature, tau, self)
 
 
 def task_items(task: str, n: int) -> list[dict]:
@@ -230,20 +236,8 @@ def make_setting(
 ) -> Setting:
     """Config and drafter of one row. ``references`` (request index -> reference decoding) is filled by the caller
     prompt by prompt; only the oracles read it."""
-    base, options = method_options(method)
-    gen_method = {"sets-oracle": "threshold", "oracle": "standard", "order-oracle": "standard"}.get(base, base)
-    config = GenerateConfig(
-        **options,
-        method=gen_method,
-        block_length=bench.block_length,
-        gen_length=bench.gen_length,
-        temperature=temperature,
-        seed=bench.seed,
-        budget=budget or 1,
-        depth=bench.depth,
-        tau=0.9 if tau is None else tau,
-        drafter=bench.drafter,
-    )
+    base = method_options(method)[0]
+    config = setting_config(method, budget, temperature, tau, bench)
     if base in ("oracle", "sets-oracle", "order-oracle"):
         stale_tokens = base == "order-oracle"
         neighbours = order_oracle_neighbours(config, target) if stale_tokens else None
@@ -255,6 +249,24 @@ def make_setting(
     family = threshold_family(method)
     baseline = None if method == "standard" else (f"{family}@{tau}" if family and budget else "standard")
     return Setting(method, budget, tau if family else None, baseline, config, drafter)
+
+
+def setting_config(method: str, budget: int | None, temperature: float, tau: float | None, bench: BenchConfig):
+    """The GenerateConfig of one row (a ValueError for a method, budget or setting that cannot run)."""
+    base, options = method_options(method)
+    gen_method = {"sets-oracle": "threshold", "oracle": "standard", "order-oracle": "standard"}.get(base, base)
+    return GenerateConfig(
+        **options,
+        method=gen_method,
+        block_length=bench.block_length,
+        gen_length=bench.gen_length,
+        temperature=temperature,
+        seed=bench.seed,
+        budget=budget or 1,
+        depth=bench.depth,
+        tau=0.9 if tau is None else tau,
+        drafter=bench.drafter,
+    )
 
 
 def order_oracle_neighbours(config: GenerateConfig, target):
@@ -294,27 +306,42 @@ def warm_up(setting: Setting, prompt: str, target, codec) -> None:
     generate([prompt], warm, target, codec, drafter=drafter)
 
 
-def decode_interleaved(settings: list[Setting], references: dict[str, dict], prompts, target, codec, desc, progress):
+def decode_interleaved(
+    settings: list[Setting], references: dict[str, dict], prompts, target, codec, desc, progress
+) -> bool:
     """Prompt by prompt, every setting in turn: a drift in machine speed (other load, clocks) then hits every
     method alike instead of whichever ran during it. Baselines come first, so each prompt's reference exists
-    before an oracle reads it."""
-    for setting in settings:
-        warm_up(setting, prompts[0], target, codec)
-    for index, prompt in enumerate(tqdm(prompts, desc=desc, disable=not progress)):
+    before an oracle reads it. Returns True when interrupted (Ctrl-C): the settings then keep the prompts that every
+    one of them finished."""
+    try:
         for setting in settings:
-            gen = generate([prompt], setting.config, target, codec, drafter=setting.drafter, first_request=index)[0]
-            setting.generations.append(gen)
-            if setting.budget is None:  # a drafter-free baseline: record its reference
-                references.get(setting_key(setting), {})[index] = as_raw(gen)
+            warm_up(setting, prompts[0], target, codec)
+        for index, prompt in enumerate(tqdm(prompts, desc=desc, disable=not progress)):
+            for setting in settings:
+                config, drafter = setting.config, setting.drafter
+                gen = generate([prompt], config, target, codec, drafter=drafter, first_request=index)[0]
+                setting.generations.append(gen)
+                if setting.budget is None:  # a drafter-free baseline: record its reference
+                    references.get(setting_key(setting), {})[index] = as_raw(gen)
+    except KeyboardInterrupt:
+        finished = min(len(setting.generations) for setting in settings)
+        for setting in settings:
+            del setting.generations[finished:]
+        return True
+    return False
 
 
 def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True) -> dict:
+    """Every row of the benchmark. Interrupted (Ctrl-C), it returns the rows of the prompts finished so far, with
+    ``interrupted`` set in the report."""
     from spot_dlm.api import load_target
 
     if target is None:
         target, codec = load_target(bench.model, device=bench.device)
-    rows = []
+    rows, interrupted = [], False
     for task in bench.tasks:
+        if interrupted:
+            break
         items = task_items(task, bench.n_prompts)
         cfg = GenerateConfig(block_length=bench.block_length, gen_length=bench.gen_length)
         items = [it for it in items if _fits(it["question"], codec, cfg, target)]
@@ -326,19 +353,24 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
         prompts = [item["question"] for item in items]
         for temperature in bench.temperatures:
             settings, references = plan_settings(target, temperature, bench)
-            decode_interleaved(settings, references, prompts, target, codec, f"{task} T={temperature:g}", progress)
+            desc = f"{task} T={temperature:g}"
+            interrupted = decode_interleaved(settings, references, prompts, target, codec, desc, progress)
             by_key = {setting_key(s): s for s in settings}
-            for s in settings:
+            done = items[: len(settings[0].generations)]  # fewer when interrupted
+            for s in settings if done else ():
                 reference = by_key[s.baseline].generations if s.baseline else None
                 rows.append(
-                    _row(task, s.method, s.budget, temperature, s.tau, s.generations, items, reference, s.baseline)
+                    _row(task, s.method, s.budget, temperature, s.tau, s.generations, done, reference, s.baseline)
                 )
-    return {
+            if interrupted:
+                break
+    report = {
         "config": asdict(bench),
         "machine": machine_description(target_device(target)),
         "torch_threads": torch.get_num_threads(),
         "results": rows,
     }
+    return report | ({"interrupted": True} if interrupted else {})
 
 
 def _fits(question: str, codec, cfg: GenerateConfig, target) -> bool:
@@ -463,9 +495,10 @@ def round_ending_lines(results: list[dict]) -> list[str]:
 
 
 def write_report(report: dict, json_path: Path | None) -> None:
+    """Write the report as JSON (to a temporary name renamed into place: a report there stays whole until then)."""
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+        write_text_atomic(Path(json_path), json.dumps(report, indent=2))
 
 
 def reproduce_command(bench: BenchConfig) -> str:

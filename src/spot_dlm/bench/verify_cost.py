@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from spot_dlm.bench.plots import save_figure
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
 
@@ -167,9 +168,6 @@ def plot_verify_cost(report: dict, path: Path) -> Path:
     ax.set_title(f"Verification cost, {report['machine'].split('decoding on ')[-1]}", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
