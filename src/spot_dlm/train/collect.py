@@ -4,7 +4,8 @@ For every rule step ``i`` of every block we store the stale features of the stat
 of the target's logits at ``s_i``, which positions were masked), the positions step ``i`` committed, and the
 stale confidence of the noise-coupled token for the next ``depth`` steps (the feature a drafter reads when it
 predicts commit ``i + d``). Shards are ``.npz`` files of plain arrays (loaded with ``allow_pickle=False``);
-collection resumes by skipping shards that exist. Prompts come from the training split only.
+collection resumes by skipping shards that exist, and Ctrl-C keeps the shards finished. Prompts come from the
+training split only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from spot_dlm.drafters.base import StaleGuesses
 from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.order_model import stale_top_probs
 from spot_dlm.noise import BlockNoise, NoiseKey
+from spot_dlm.safety import check_writable_parent, write_text_atomic
 
 SHARD_ARRAYS = ("top", "masked", "committed", "coupled", "block_id", "step", "prompt_id", "tau", "temperature")
 OPTIONAL_SHARD_ARRAYS = ("corrected",)  # collected with neighbour tokens (read when every shard has them)
@@ -122,6 +124,25 @@ class CollectConfig:
     def __post_init__(self):
         if self.workers < 1 or not 0 <= self.worker < self.workers:
             raise ValueError(f"worker must be in [0, workers), got {self.worker}/{self.workers}")
+        if min(self.n_prompts, self.prompts_per_shard, self.depth) < 1:
+            raise ValueError("--n-prompts, prompts per shard and --depth must be >= 1")
+        if not self.temperatures or not self.taus:
+            raise ValueError("give at least one temperature and tau")
+        for temperature in self.temperatures:  # every logged rule's config, checked before any work
+            for tau in self.taus:
+                logged_config(self, temperature, tau)
+
+
+def logged_config(config: CollectConfig, temperature: float, tau: float) -> GenerateConfig:
+    """The decoding config whose trajectories are logged at one temperature and tau."""
+    return GenerateConfig(
+        method=config.method,
+        block_length=config.block_length,
+        gen_length=config.gen_length,
+        temperature=temperature,
+        seed=config.seed,
+        tau=tau,
+    )
 
 
 PROMPT_ORDER = 2  # recorded with a collection; folders without it hold the order before it was prefix-stable
@@ -166,55 +187,56 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     With `workers` > 1, several processes share one folder: each writes every `workers`-th shard and returns its own.
     """
     neighbours = neighbour_fit(config.neighbours, target.vocab_size)  # refused before the folder is touched
-    config.out_dir.mkdir(parents=True, exist_ok=True)
+    if config.out_dir.exists() and not config.out_dir.is_dir():
+        raise ValueError(f"--out {config.out_dir} is a file, not a folder")
+    check_writable_parent(config.out_dir / "x", "--out")
+    prompts = collection_prompts(config.n_prompts, config.seed)
     recorded, record_path = recorded_settings(config), config.out_dir / "collect_config.json"
     if record_path.is_file():
         before = json.loads(record_path.read_text())
         check_same_collection(before, recorded)
         recorded["n_prompts"] = max(before["n_prompts"], recorded["n_prompts"])  # until the shards are counted
-    record_path.write_text(json.dumps(recorded))
-    prompts = collection_prompts(config.n_prompts, config.seed)
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(record_path, json.dumps(recorded))
     shards = []
     taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
     starts = range(0, len(prompts), config.prompts_per_shard)
     jobs = [(t, tau, start) for t in config.temperatures for tau in taus for start in starts]
     jobs = jobs[config.worker :: config.workers]
-    for temperature, tau, start in tqdm(jobs, desc="collect shards"):
-        path = shard_path(config.out_dir, temperature, tau, start)
-        shards.append(path)
-        if holds_prompts(path, start, min(start + config.prompts_per_shard, len(prompts))):
-            continue  # a shorter last shard of a smaller collection is collected again, whole
-        gen_config = GenerateConfig(
-            method=config.method,
-            block_length=config.block_length,
-            gen_length=config.gen_length,
-            temperature=temperature,
-            seed=config.seed,
-            tau=tau,
-        )
-        settings = gen_config.settings()
-        log = TrajectoryLog(depth=config.depth, tau=tau, temperature=temperature, neighbours=neighbours)
-        block_offset = 0
-        for prompt_id in range(start, min(start + config.prompts_per_shard, len(prompts))):
-            key = NoiseKey(config.seed, prompt_id)
-            ids = encode_prompt(prompts[prompt_id], codec, gen_config, target)
-            raw = decode_ids(
-                target,
-                ids,
-                settings,
-                NoDrafter(),
-                key,
-                log.observer(key, settings, target.mask_id, prompt_id, block_offset),
-            )
-            block_offset += raw.token_ids.shape[0] // config.block_length
-        arrays = log.arrays()
-        partial = path.with_name(path.name + ".partial")  # not matched by shard_*.npz while being written
-        with partial.open("wb") as handle:
-            np.savez_compressed(handle, **arrays)
-        partial.replace(path)
-    recorded["n_prompts"] = covered_prompts(config.out_dir, config.temperatures, taus, config.prompts_per_shard)
-    record_path.write_text(json.dumps(recorded))  # what the shards hold, not what was asked for
+    try:
+        for temperature, tau, start in tqdm(jobs, desc="collect shards"):
+            path = shard_path(config.out_dir, temperature, tau, start)
+            end = min(start + config.prompts_per_shard, len(prompts))
+            if not holds_prompts(path, start, end):  # a shorter last shard of a smaller collection: again, whole
+                log = TrajectoryLog(depth=config.depth, tau=tau, temperature=temperature, neighbours=neighbours)
+                collect_shard(target, codec, logged_config(config, temperature, tau), prompts, range(start, end), log)
+                write_shard(path, log.arrays())
+            shards.append(path)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"kept the {len(shards)} shards finished in {config.out_dir}") from None
+    finally:  # what the shards hold, not what was asked for
+        recorded["n_prompts"] = covered_prompts(config.out_dir, config.temperatures, taus, config.prompts_per_shard)
+        write_text_atomic(record_path, json.dumps(recorded))
     return shards
+
+
+def collect_shard(target, codec, gen_config: GenerateConfig, prompts: list[str], ids: range, log: TrajectoryLog):
+    """Decode the prompts ``ids`` (request index = prompt id) by ``gen_config``'s rule, logging every step."""
+    settings = gen_config.settings()
+    block_offset = 0
+    for prompt_id in ids:
+        key = NoiseKey(gen_config.seed, prompt_id)
+        prompt = encode_prompt(prompts[prompt_id], codec, gen_config, target)
+        observer = log.observer(key, settings, target.mask_id, prompt_id, block_offset)
+        raw = decode_ids(target, prompt, settings, NoDrafter(), key, observer)
+        block_offset += raw.token_ids.shape[0] // gen_config.block_length
+
+
+def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    partial = path.with_name(path.name + ".partial")  # not matched by shard_*.npz while being written
+    with partial.open("wb") as handle:
+        np.savez_compressed(handle, **arrays)
+    partial.replace(path)
 
 
 def neighbour_fit(folder: str | None, vocab_size: int) -> NeighbourTokens | None:

@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from spot_dlm.models.tokenizer import TextCodec, format_prompt, train_tokenizer
+from spot_dlm.safety import write_atomic, write_text_atomic
 
 GSM8K_ENV = "SPOT_DLM_GSM8K"
 GSM8K_DEFAULT_ROOTS = (
@@ -216,11 +217,18 @@ def prepare_corpus(out_dir: Path, n_symbolic: int = 100_000, vocab_size: int = 2
     heldout = {source: heldout_items(source, HELDOUT_PER_SOURCE, seen) for source in HELDOUT_SOURCES}
     train_stream = build_token_stream(items, codec)
     heldout_parts = {source: build_token_stream(part, codec) for source, part in heldout.items()}
-    np.save(out_dir / "train_tokens.npy", train_stream)
-    np.save(out_dir / "heldout_tokens.npy", np.concatenate(list(heldout_parts.values())))
+    heldout_stream = np.concatenate(list(heldout_parts.values()))
+    for name, stream in (("train_tokens.npy", train_stream), ("heldout_tokens.npy", heldout_stream)):
+        write_atomic(out_dir / name, lambda path, stream=stream: save_array(path, stream))
     meta = corpus_meta(config, codec, n_gsm8k, n_symbolic, train_stream, heldout_parts)
-    (out_dir / "corpus.json").write_text(json.dumps(meta, indent=2) + "\n")  # written last: marks completion
+    write_text_atomic(out_dir / "corpus.json", json.dumps(meta, indent=2) + "\n")  # written last: marks completion
     return out_dir
+
+
+def save_array(path: Path, array: np.ndarray) -> None:
+    """``np.save`` to exactly ``path`` (it would add ``.npy`` to a name without it)."""
+    with Path(path).open("wb") as handle:
+        np.save(handle, array)
 
 
 def corpus_meta(

@@ -2,10 +2,14 @@
 
 An example is (stale features of ``s_i``, commits of steps ``i .. i+d-1`` marked as committed on the branch)
 -> the position committed by step ``i + d``, for ``d = 1 .. D``. Prompts are split 90/10 into train and held out.
+
+A folder holding a trained drafter is only written with ``init`` = that folder (training continues it) or ``force``
+(it is replaced, and the fits made for it are removed). Ctrl-C keeps the model trained so far.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,15 +19,35 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from spot_dlm.drafters.neighbours import BIGRAM_FILE, NEIGHBOUR_FIT_FILE
 from spot_dlm.drafters.order_model import (
+    DRAFTER_CONFIG_FILE,
+    DRAFTER_WEIGHTS_FILE,
     N_FLAG_FEATURES,
     OrderModel,
     OrderModelConfig,
+    check_drafter_kind,
     load_order_model,
     order_features,
+    read_drafter_config,
     save_order_model,
 )
+from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE
+from spot_dlm.drafters.token_survival import SURVIVAL_FILE
+from spot_dlm.safety import check_minutes
 from spot_dlm.train.collect import load_shards
+
+CALIBRATION_FILE = "calibration.json"
+# what a drafter folder holds besides the order model, fitted for it: replaced with it, these are removed
+DRAFTER_FITS = (
+    BIGRAM_FILE,
+    NEIGHBOUR_FIT_FILE,
+    SURVIVAL_FILE,
+    TOKEN_LM_FIT_FILE,
+    TOKEN_LM_DIR,
+    CALIBRATION_FILE,
+    "small",
+)
 
 
 @dataclass(frozen=True)
@@ -168,6 +192,58 @@ def warm_start(folder: Path, config: OrderModelConfig) -> OrderModel:
     return model.train()
 
 
+def holds_drafter(folder: Path) -> bool:
+    return any((Path(folder) / name).exists() for name in (DRAFTER_WEIGHTS_FILE, DRAFTER_CONFIG_FILE))
+
+
+def check_drafter_output(out_dir: Path, init: Path | None, force: bool) -> None:
+    """``out_dir`` may be written: a folder (or nothing yet) without a trained drafter, the drafter ``init`` continues,
+    or any with ``force``."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file, not a folder")
+    continues = init is not None and Path(init).resolve() == out_dir.resolve()
+    if holds_drafter(out_dir) and not (continues or force):
+        raise ValueError(
+            f"--out {out_dir} already holds a trained drafter: give --init {out_dir} to continue it, --force to "
+            "replace it (its fits are removed with it), or another --out"
+        )
+
+
+def check_warm_start(init: Path, sets: bool) -> None:
+    """The folder to continue holds a drafter of the kind asked for (an order model, or a sets model with ``sets``)."""
+    config = read_drafter_config(init)
+    if config is None:
+        raise FileNotFoundError(f"--init: no drafter in {init} (expected {Path(init) / DRAFTER_CONFIG_FILE})")
+    check_drafter_kind(config, sets, init)
+
+
+def held_fits(folder: Path) -> list[str]:
+    """The fits (``DRAFTER_FITS``) a drafter folder holds."""
+    return [name for name in DRAFTER_FITS if (Path(folder) / name).exists()]
+
+
+def remove_fits(folder: Path, names: list[str]) -> None:
+    """Remove the fits made for a replaced drafter."""
+    for name in names:
+        path = Path(folder) / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def check_examples(shard_dir: Path, n_prompts: int, train: Examples, held: Examples) -> None:
+    """Training needs prompts on both sides of the split and examples in each."""
+    if n_prompts < 2:
+        raise ValueError(
+            f"the shards in {shard_dir} hold {n_prompts} prompt(s); training needs at least 2 (a tenth are held out)"
+        )
+    if not len(train.row) or not len(held.row):
+        side = "training" if not len(train.row) else "held-out"
+        raise ValueError(f"the shards in {shard_dir} give no {side} examples: collect more prompts")
+
+
 def _feature_flags(config: OrderModelConfig) -> dict[str, bool]:
     names = ("threshold_feature", "temperature_feature", "previous_feature", "corrected_feature")
     return {name: getattr(config, name) for name in names}
@@ -188,13 +264,21 @@ def train_drafter(
     corrected_feature: bool = False,
     init: Path | None = None,
     shape: tuple[int, int, int] = DEFAULT_SHAPE,
+    force: bool = False,
 ) -> dict:
     """Train the order model (or the sets model) on trajectory shards for ``minutes``; save it with held-out metrics.
 
     ``init`` starts from a trained drafter folder (e.g. the previous target's) with the same inputs or fewer.
     ``shape`` = (width, layers, heads) of the model (default: the paper's 128, 3, 8, about 0.6M parameters); a
     smaller one costs less per round where the drafter's compute counts against a small target (a CPU).
+    ``force`` replaces a drafter in ``out_dir`` and removes the fits made for it (``DRAFTER_FITS``; metrics["removed"]
+    names them). Interrupted (Ctrl-C) after a step, the model so far is saved with ``metrics["interrupted"]`` set.
     """
+    check_minutes(minutes)
+    check_drafter_output(out_dir, init, force)
+    if init is not None:
+        check_warm_start(Path(init), sets)
+    replaces = holds_drafter(out_dir) and not (init is not None and Path(init).resolve() == Path(out_dir).resolve())
     d_model, n_layers, n_heads = shape
     config = OrderModelConfig(
         d_model=d_model,
@@ -207,7 +291,11 @@ def train_drafter(
     )
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    data = load_shards(sorted(Path(shard_dir).glob("shard_*.npz")))
+    model = OrderModel(config) if init is None else warm_start(Path(init), config)
+    paths = sorted(Path(shard_dir).glob("shard_*.npz"))
+    if not paths:
+        raise FileNotFoundError(f"no trajectory shards (shard_*.npz) in {shard_dir} (spot-dlm collect makes them)")
+    data = load_shards(paths)
     if corrected_feature and "corrected" not in data:
         raise ValueError(f"{shard_dir} holds no corrected confidence: collect it with --neighbours")
     prompts = np.unique(data["prompt_id"])
@@ -216,27 +304,33 @@ def train_drafter(
     cum = np.concatenate([np.zeros((1, data["committed"].shape[1]), np.int32), np.cumsum(data["committed"], 0)])
     train_ex = build_examples(data, max_depth, np.flatnonzero(~is_heldout), sets)
     held_ex = build_examples(data, max_depth, np.flatnonzero(is_heldout), sets)
-    model = OrderModel(config) if init is None else warm_start(Path(init), config)
+    check_examples(Path(shard_dir), len(prompts), train_ex, held_ex)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     rng = np.random.default_rng(seed)
     start, step, loss_ema = time.time(), 0, None
     budget = minutes * 60
-    with tqdm(total=int(budget), unit="s", desc="train drafter") as bar:
-        while time.time() - start < budget:
-            index = rng.integers(0, len(train_ex.row), size=batch_size)
-            features, allowed, target = batch_tensors(data, cum, train_ex, index, model.config)
-            progress = (time.time() - start) / budget
-            for group in optimizer.param_groups:
-                group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
-            loss = objective_loss(model, features, allowed, target, sets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
-            bar.update(int(time.time() - start) - bar.n)
-            bar.set_postfix(loss=f"{loss_ema:.3f}", step=step)
+    interrupted = False
+    try:
+        with tqdm(total=int(budget), unit="s", desc="train drafter") as bar:
+            while time.time() - start < budget:
+                index = rng.integers(0, len(train_ex.row), size=batch_size)
+                features, allowed, target = batch_tensors(data, cum, train_ex, index, model.config)
+                progress = (time.time() - start) / budget
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * progress)))
+                loss = objective_loss(model, features, allowed, target, sets)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                step += 1
+                loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+                bar.update(int(time.time() - start) - bar.n)
+                bar.set_postfix(loss=f"{loss_ema:.3f}", step=step)
+    except KeyboardInterrupt:
+        if step == 0:
+            raise KeyboardInterrupt(f"stopped before the first step; {out_dir} is as it was") from None
+        interrupted = True
     accuracy = accuracy_by_depth(model, data, cum, held_ex, max_depth, sets)
     metrics = {
         "objective": "sets" if sets else "order",
@@ -257,5 +351,8 @@ def train_drafter(
         "parameters": sum(p.numel() for p in model.parameters()),
         "shards": str(shard_dir),
     }
+    stale = held_fits(out_dir) if replaces else []
+    metrics |= ({"interrupted": True} if interrupted else {}) | ({"removed": stale} if stale else {})
     save_order_model(model, out_dir, metrics)
+    remove_fits(out_dir, stale)
     return metrics
