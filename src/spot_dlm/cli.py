@@ -237,8 +237,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
+    from spot_dlm.safety import check_output_folder
     from spot_dlm.train.data import prepare_corpus
 
+    if args.n_symbolic < 0:
+        raise ValueError(f"--n-symbolic must be >= 0, got {args.n_symbolic}")
+    if not 259 <= args.vocab_size <= 1 << 16:  # the 256 bytes and 3 special tokens; streams are 16-bit
+        raise ValueError(f"--vocab-size must be in [259, 65536], got {args.vocab_size}")
+    check_output_folder(args.out, False, "--out", ())
     print(prepare_corpus(Path(args.out), n_symbolic=args.n_symbolic, vocab_size=args.vocab_size))
     return 0
 
@@ -276,9 +282,14 @@ def _train_target(args: argparse.Namespace) -> int:
         bf16=args.bf16,
         teacher=_init_folder(args.teacher, "--teacher"),
         keep_layers=args.keep_layers,
+        force=args.force,
     )
     print(train_target(config))
     return 0
+
+
+def _add_force_option(parser: argparse.ArgumentParser, replaces: str) -> None:
+    parser.add_argument("--force", action="store_true", help=f"replace {replaces} (refused without it)")
 
 
 def _csv(kind):
@@ -296,10 +307,20 @@ def _worker(text: str) -> tuple[int, int]:
     return index, count
 
 
+def _check_reports(args: argparse.Namespace, plots_option: str = "--plots") -> None:
+    """A command's --json report and plots: writable, and not replacing earlier ones without --force."""
+    from spot_dlm.bench.plots import PLOT_FILES
+    from spot_dlm.safety import check_new_file, check_output_folder
+
+    check_new_file(args.json, args.force, "--json")
+    check_output_folder(getattr(args, "plots", None), args.force, plots_option, PLOT_FILES)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from spot_dlm.bench.plots import plot_report
     from spot_dlm.bench.run import BenchConfig, format_table, reproduce_command, run_bench, write_report
 
+    _check_reports(args)
     _set_threads(args.threads)
     bench = BenchConfig(
         methods=args.methods,
@@ -317,6 +338,8 @@ def _bench(args: argparse.Namespace) -> int:
         device=args.device,
     )
     report = run_bench(bench)
+    if report.get("interrupted") and not report["results"]:
+        raise KeyboardInterrupt("no row finished; nothing written")
     report["reproduce"] = reproduce_command(bench)
     print(f"# {report['machine']}, torch threads {report['torch_threads']}")
     print(format_table(report))
@@ -332,6 +355,7 @@ def _bench_merge(args: argparse.Namespace) -> int:
     from spot_dlm.bench.plots import plot_report
     from spot_dlm.bench.run import format_table, merge_reports, write_report
 
+    _check_reports(args)
     reports = []
     for name in args.reports:
         path = Path(name)
@@ -344,6 +368,9 @@ def _bench_merge(args: argparse.Namespace) -> int:
     if args.plots:
         for path in plot_report(report, Path(args.plots)):
             print(f"plot: {path}")
+    if report.get("interrupted"):
+        where = f", written to {args.json}" if args.json else ""
+        raise KeyboardInterrupt(f"kept the {len(report['results'])} rows of the prompts finished{where}")
     return 0
 
 
@@ -355,7 +382,10 @@ def _verify_cost(args: argparse.Namespace) -> int:
         measure_verify_cost,
         plot_verify_cost,
     )
+    from spot_dlm.safety import check_new_file
 
+    check_new_file(args.json, args.force, "--json")
+    check_new_file(args.plot, args.force, "--plot")
     _set_threads(args.threads)
     config = VerifyCostConfig(
         shapes=args.shapes,
@@ -380,7 +410,6 @@ def _collect(args: argparse.Namespace) -> int:
     from spot_dlm.train.collect import CollectConfig, collect
 
     _set_threads(args.threads)
-    target, codec = _load_model(args)
     config = CollectConfig(
         out_dir=Path(args.out),
         n_prompts=args.n_prompts,
@@ -395,6 +424,7 @@ def _collect(args: argparse.Namespace) -> int:
         workers=args.worker[1],
         neighbours=None if args.neighbours is None else str(_drafter_folder(args.neighbours)),
     )
+    target, codec = _load_model(args)
     shards = collect(target, codec, config)
     print(f"{len(shards)} shards in {args.out}")
     return 0
@@ -403,7 +433,9 @@ def _collect(args: argparse.Namespace) -> int:
 def _fit_bigram(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from spot_dlm.drafters.neighbours import BigramTable, save_bigram
+    from spot_dlm.drafters.neighbours import BIGRAM_FILE, NEIGHBOUR_FIT_FILE, BigramTable, save_bigram
+    from spot_dlm.drafters.token_lm import TOKEN_LM_FIT_FILE
+    from spot_dlm.safety import check_output_folder
     from spot_dlm.train.data import build_token_stream, train_items
 
     out = _drafter_folder(args.out)
@@ -411,18 +443,25 @@ def _fit_bigram(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"drafter folder not found: {out}")
     if args.n_symbolic < 0:
         raise ValueError(f"--n-symbolic must be >= 0, got {args.n_symbolic}")
+    check_output_folder(out, args.force, "--out", (BIGRAM_FILE,))
     target, codec = _load_model(args)
     stream = build_token_stream(train_items(args.n_symbolic), codec, dtype=np.int64)
     table = BigramTable.from_stream(stream, target.vocab_size)  # the model's vocabulary (may exceed the tokenizer's)
     source = {"corpus": "GSM8K train + gsm_symbolic (train seed)", "n_symbolic": args.n_symbolic}
     path = save_bigram(table, out, {**source, "tokens": int(len(stream))})
     print(f"{len(stream):,} tokens, {len(table.keys):,} distinct bigrams; wrote {path}")
+    for name in (NEIGHBOUR_FIT_FILE, TOKEN_LM_FIT_FILE):  # fitted with the bigram replaced: stale now
+        if (out / name).is_file():
+            (out / name).unlink()
+            print(f"removed {out / name} (fitted with the replaced bigram; spot-dlm fit-token-survival refits it)")
     return 0
 
 
 def _fit_token_survival(args: argparse.Namespace) -> int:
     from spot_dlm.drafters.neighbours import NeighbourTokens, load_bigram, save_neighbour_fit
     from spot_dlm.drafters.token_survival import save_token_survival
+    from spot_dlm.noise import check_seed
+    from spot_dlm.safety import check_output_folder
     from spot_dlm.train.collect import collection_prompts
     from spot_dlm.train.token_survival import fit_token_survival, observe
 
@@ -434,6 +473,8 @@ def _fit_token_survival(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature must be > 0 (the sampled kind), got {args.temperature}")
     if args.n_prompts < 1:
         raise ValueError(f"--n-prompts must be >= 1, got {args.n_prompts}")
+    check_seed(args.seed)
+    check_output_folder(out, args.force, "--out", _survival_fits(out, args.token_lm is not None))
     target, codec = _load_model(args)
     prompts = collection_prompts(args.n_prompts, args.seed)
     shape = {"block_length": args.block_length, "gen_length": args.gen_length}
@@ -451,6 +492,18 @@ def _fit_token_survival(args: argparse.Namespace) -> int:
         weights, corrected = _fit_correction("neighbour", greedy, sampled)
         print(f"wrote {save_neighbour_fit(weights, corrected, out)}")
     return 0
+
+
+def _survival_fits(out: Path, token_lm: bool) -> tuple[str, ...]:
+    """What fit-token-survival writes into a drafter folder: the token LM and its fit, or the stale guesses'
+    survival (and the neighbour fit where the folder has a bigram)."""
+    from spot_dlm.drafters.neighbours import BIGRAM_FILE, NEIGHBOUR_FIT_FILE
+    from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE
+    from spot_dlm.drafters.token_survival import SURVIVAL_FILE
+
+    if token_lm:
+        return TOKEN_LM_DIR, TOKEN_LM_FIT_FILE
+    return (SURVIVAL_FILE, NEIGHBOUR_FIT_FILE) if (out / BIGRAM_FILE).is_file() else (SURVIVAL_FILE,)
 
 
 def _fit_correction(name: str, greedy, sampled):
@@ -496,8 +549,9 @@ def _print_survival(guesses: str, survival, greedy, sampled, ranks_of) -> None:
 
 def _train_drafter(args: argparse.Namespace) -> int:
     from spot_dlm.drafters.calibrated import rank_path_counts, save_rank_counts
+    from spot_dlm.safety import write_atomic
     from spot_dlm.train.collect import load_shards
-    from spot_dlm.train.drafter import train_drafter
+    from spot_dlm.train.drafter import CALIBRATION_FILE, train_drafter
 
     metrics = train_drafter(
         Path(args.shards),
@@ -511,11 +565,14 @@ def _train_drafter(args: argparse.Namespace) -> int:
         corrected_feature=args.corrected_feature,
         init=_drafter_folder(args.init),
         shape=(args.d_model, args.n_layers, args.n_heads),
+        force=args.force,
     )
     if not args.sets:  # the Spiffy-style calibrated graph is built from the same one-commit trajectories
-        data = load_shards(sorted(Path(args.shards).glob("shard_*.npz")))
-        save_rank_counts(rank_path_counts(data, args.depth), Path(args.out) / "calibration.json")
+        counts = rank_path_counts(load_shards(sorted(Path(args.shards).glob("shard_*.npz"))), args.depth)
+        write_atomic(Path(args.out) / CALIBRATION_FILE, lambda path: save_rank_counts(counts, path))
     print(json.dumps(metrics, indent=2))
+    if metrics.get("interrupted"):
+        raise KeyboardInterrupt(f"saved the drafter after {metrics['steps']} steps in {args.out}")
     return 0
 
 
@@ -531,12 +588,16 @@ def _drafter_folder(name: str | None) -> Path | None:
 def _evaluate_target(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from spot_dlm.safety import check_new_file, write_text_atomic
     from spot_dlm.train.data import heldout_items, train_questions
     from spot_dlm.train.evaluate import decode_report, heldout_nelbo
 
     _set_threads(args.threads)
     if args.n_prompts < 0:
         raise ValueError(f"--n-prompts must be >= 0 (0: held-out NELBO only), got {args.n_prompts}")
+    if args.heldout_tokens and not Path(args.heldout_tokens).is_file():
+        raise FileNotFoundError(f"--heldout-tokens file not found: {args.heldout_tokens}")
+    check_new_file(args.json, args.force, "--json")
     target, codec = load_target(args.model)
     report: dict = {"model": args.model or "builtin", "parameters": target.model.num_parameters()}
     if args.heldout_tokens:
@@ -551,7 +612,8 @@ def _evaluate_target(args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
-        Path(args.json).write_text(text)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(args.json), text)
     return 0
 
 
@@ -697,6 +759,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="start from these layers of --init only, e.g. 0,2,5 (a layer-dropped student to distil as a token LM)",
     )
+    train.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a checkpoint in --out with a new model (or --init's) instead of resuming it",
+    )
     train.set_defaults(func=_train_target)
     bench = sub.add_parser("bench", help="compare methods side by side (same prompts, same noise, one process)")
     bench.add_argument("--model", default=None)
@@ -717,12 +784,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     bench.add_argument("--json", default=None, help="write the full report here")
     bench.add_argument("--plots", default=None, help="write PNG plots into this folder")
+    _add_force_option(bench, "an existing --json report and --plots")
     bench.set_defaults(func=_bench)
 
     merge = sub.add_parser("bench-merge", help="merge bench JSON reports (e.g. one per process) into one")
     merge.add_argument("reports", nargs="+")
     merge.add_argument("--json", default=None)
     merge.add_argument("--plots", default=None)
+    _add_force_option(merge, "an existing --json report and --plots")
     merge.set_defaults(func=_bench_merge)
 
     vc = sub.add_parser("verify-cost", help="time one verification pass over K draft nodes against one node")
@@ -737,6 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
     vc.add_argument("--json", default=None)
     vc.add_argument("--plot", default=None, help="write a PNG of the cost curve here")
     _add_device_option(vc)
+    _add_force_option(vc, "an existing --json report and --plot")
     vc.set_defaults(func=_verify_cost)
 
     col = sub.add_parser("collect", help="log standard-decoding trajectories on training prompts")
@@ -779,6 +849,7 @@ def build_parser() -> argparse.ArgumentParser:
         "drafter folder's token_lm/ and fit its correction of drafted tokens (the other fits stay as they are)",
     )
     ts.add_argument("--token-lm-window", type=int, default=256, help="clean tokens before the block the LM reads")
+    _add_force_option(ts, "the fits already in --out")
     ts.set_defaults(func=_fit_token_survival)
 
     bg = sub.add_parser(
@@ -787,6 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(bg)
     bg.add_argument("--out", required=True, help="drafter folder for bigram.safetensors ('builtin': the shipped one)")
     bg.add_argument("--n-symbolic", type=int, default=100_000, help="gsm_symbolic training items besides GSM8K train")
+    _add_force_option(bg, "a bigram fit already in --out (the fits made with it are removed)")
     bg.set_defaults(func=_fit_bigram)
 
     ev = sub.add_parser("evaluate-target", help="held-out NELBO, accuracy, well-formedness, stale agreement")
@@ -797,6 +869,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--heldout-tokens", default=None, help="heldout_tokens.npy from prepare-data (for NELBO)")
     ev.add_argument("--threads", type=int, default=0)
     ev.add_argument("--json", default=None)
+    _add_force_option(ev, "an existing --json report")
     ev.set_defaults(func=_evaluate_target)
 
     tdr = sub.add_parser("train-drafter", help="train SPOT's order model on logged trajectories")
@@ -828,6 +901,7 @@ def build_parser() -> argparse.ArgumentParser:
     tdr.add_argument("--d-model", type=int, default=paper.d_model, help="order model width (the paper's: 128)")
     tdr.add_argument("--n-layers", type=int, default=paper.n_layers, help="order model layers (the paper's: 3)")
     tdr.add_argument("--n-heads", type=int, default=paper.n_heads, help="attention heads; must divide --d-model")
+    _add_force_option(tdr, "a trained drafter in --out (the fits made for it are removed)")
     tdr.set_defaults(func=_train_drafter)
     return parser
 
@@ -840,6 +914,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"spot-dlm: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:  # long commands keep what they finished and say what in the message
+        detail = f"; {stop}" if str(stop) else ""
+        print(f"spot-dlm: interrupted{detail}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
