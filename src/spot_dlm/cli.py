@@ -195,6 +195,31 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _project(args: argparse.Namespace) -> int:
+    from spot_dlm.bench.projection import format_projection, project
+    from spot_dlm.report import load_report
+
+    drafter_ms = None
+    if args.drafter_ms:
+        try:
+            drafter_ms = {int(b): float(ms) for b, ms in (item.split(":") for item in args.drafter_ms.split(","))}
+        except ValueError:
+            raise ValueError(
+                f"--drafter-ms takes budget:ms pairs, e.g. 2:1.7,4:3.9; got {args.drafter_ms!r}"
+            ) from None
+    bench = load_report(Path(args.bench))
+    cost_path = Path(args.verify_cost)
+    try:
+        cost = json.loads(cost_path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{cost_path} is not a readable verify-cost report: {err}") from err
+    if not isinstance(cost, dict) or "results" not in cost:
+        raise ValueError(f"{cost_path} is not a verify-cost report (no results)")
+    shape, rows = project(bench, cost, args.shape, drafter_ms)
+    print(format_projection(shape, rows, bench.get("machine", "?"), cost.get("machine", "?")))
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from spot_dlm.report import results_markdown
 
@@ -348,6 +373,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plots:
         for path in plot_report(report, Path(args.plots)):
             print(f"plot: {path}")
+    if report.get("interrupted"):
+        where = f", written to {args.json}" if args.json else ""
+        raise KeyboardInterrupt(f"kept the {len(report['results'])} rows of the prompts finished{where}")
     return 0
 
 
@@ -368,9 +396,6 @@ def _bench_merge(args: argparse.Namespace) -> int:
     if args.plots:
         for path in plot_report(report, Path(args.plots)):
             print(f"plot: {path}")
-    if report.get("interrupted"):
-        where = f", written to {args.json}" if args.json else ""
-        raise KeyboardInterrupt(f"kept the {len(report['results'])} rows of the prompts finished{where}")
     return 0
 
 
@@ -719,6 +744,19 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--gen-length", type=int, default=64)
     cal.add_argument("--budgets", type=_csv(int), default=(2, 3, 4, 8, 16), help="candidate budgets")
     cal.set_defaults(func=_calibrate)
+
+    proj = sub.add_parser(
+        "project", help="project SPOT's tokens/s at another target shape: bench acceptance x verify-cost pass cost"
+    )
+    proj.add_argument("--bench", required=True, help="a benchmark JSON report (spot-dlm bench --json)")
+    proj.add_argument("--verify-cost", required=True, help="a verify-cost JSON report holding the target shape")
+    proj.add_argument("--shape", default=None, help="which shape of the cost report (default: its only one)")
+    proj.add_argument(
+        "--drafter-ms",
+        default=None,
+        help="drafter time per round by budget, e.g. 2:1.7,4:3.9,8:7.7 (default: the bench's measured time)",
+    )
+    proj.set_defaults(func=_project)
 
     rep = sub.add_parser("report", help="benchmark JSON reports as Markdown (docs/results.md is made by it)")
     rep.add_argument("files", nargs="+", help="benchmark JSON reports (spot-dlm bench --json)")
