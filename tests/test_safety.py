@@ -215,7 +215,7 @@ def test_collect_ctrl_c_keeps_the_finished_shards(monkeypatch, shards, tiny_code
     model = model_factory(vocab_size=tiny_codec.vocab_size, seed=3, dtype=torch.float32, max_seq_len=512)
     out = tmp_path / "shards"
     config = CollectConfig(out, n_prompts=2, prompts_per_shard=1, temperatures=(0.0,), block_length=8, gen_length=16)
-    with pytest.raises(KeyboardInterrupt, match="kept the 1 shards finished"):
+    with pytest.raises(KeyboardInterrupt, match=r"kept 1 finished shard\(s\)"):
         collect(BuiltinTarget(model), tiny_codec, config)
     assert [p.name for p in out.glob("shard_*.npz")] == ["shard_T0_tau0.9_00000.npz"]
     assert json.loads((out / "collect_config.json").read_text())["n_prompts"] == 1  # what the shards hold
@@ -287,7 +287,7 @@ def test_bench_ctrl_c_writes_the_rows_finished(capsys, monkeypatch, long_checkpo
     report = tmp_path / "report.json"
     code, line = run_cli(capsys, *bench_argv(long_checkpoint, "--json", str(report)))
     assert code == 130
-    assert line == f"spot-dlm: interrupted; kept the 2 rows of the prompts finished, written to {report}"
+    assert line == f"spot-dlm: interrupted; kept 2 row(s) of the prompts finished, written to {report}"
     saved = json.loads(report.read_text())
     assert saved["interrupted"] is True
     assert [(r["method"], r["n_prompts"]) for r in saved["results"]] == [("standard", 1), ("stale", 1)]

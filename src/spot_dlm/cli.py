@@ -375,7 +375,7 @@ def _bench(args: argparse.Namespace) -> int:
             print(f"plot: {path}")
     if report.get("interrupted"):
         where = f", written to {args.json}" if args.json else ""
-        raise KeyboardInterrupt(f"kept the {len(report['results'])} rows of the prompts finished{where}")
+        raise KeyboardInterrupt(f"kept {len(report['results'])} row(s) of the prompts finished{where}")
     return 0
 
 

@@ -213,7 +213,7 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
                 write_shard(path, log.arrays())
             shards.append(path)
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(f"kept the {len(shards)} shards finished in {config.out_dir}") from None
+        raise KeyboardInterrupt(f"kept {len(shards)} finished shard(s) in {config.out_dir}") from None
     finally:  # what the shards hold, not what was asked for
         recorded["n_prompts"] = covered_prompts(config.out_dir, config.temperatures, taus, config.prompts_per_shard)
         write_text_atomic(record_path, json.dumps(recorded))
