@@ -24,6 +24,7 @@ def _budget_cache(tmp_path_factory):
         patch.setenv("SPOT_DLM_CACHE", str(tmp_path_factory.mktemp("spot_dlm_cache")))
         yield
 
+
 TINY_VOCAB = 40
 
 

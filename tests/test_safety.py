@@ -391,3 +391,10 @@ def test_an_interrupted_report_write_leaves_the_old_report_whole(monkeypatch, tm
         write_report({"results": ["a row"] * 100}, path)
     monkeypatch.undo()
     assert path.read_text() == '{"results": "measured before"}'
+
+
+def test_a_folder_as_prompts_file_is_named_a_folder(tmp_path, capsys) -> None:
+    from spot_dlm import cli
+
+    assert cli.main(["generate", "--prompts-file", str(tmp_path)]) == 2
+    assert "is a folder" in capsys.readouterr().err

@@ -118,6 +118,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --prompt TEXT or --prompts-file FILE")
     if args.prompts_file is not None:
         path = Path(args.prompts_file)
+        if path.is_dir():
+            raise ValueError(f"--prompts-file {path} is a folder; give a file with one prompt per line")
         if not path.is_file():
             raise ValueError(f"prompts file not found: {path}")
         prompts = [line for line in path.read_text().splitlines() if line.strip()]
