@@ -197,6 +197,33 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_drafter(args: argparse.Namespace) -> int:
+    from spot_dlm.train.make_drafter import MakeDrafterConfig, make_drafter
+
+    _set_threads(args.threads)
+    config = MakeDrafterConfig(
+        out_dir=Path(args.out),
+        n_prompts=args.n_prompts,
+        minutes=args.minutes,
+        gen_length=args.gen_length,
+        block_length=args.block_length,
+        survival_prompts=args.survival_prompts,
+        check_prompts=args.check_prompts,
+        prompts_file=args.prompts,
+        threads=args.threads,
+    )
+    target, codec = _load_model(args)
+    summary = make_drafter(target, codec, config)
+    print(json.dumps(summary, indent=2))
+    check = summary["check"]
+    if check["questions"]:
+        print(
+            f"drafter in {args.out}: {check['passes_ratio']:.2f}x fewer passes than standard on "
+            f"{check['questions']} held-out questions (exact: {check['exact']}); use it with --drafter {args.out}"
+        )
+    return 0
+
+
 def _project(args: argparse.Namespace) -> int:
     from spot_dlm.bench.projection import format_projection, project
     from spot_dlm.report import load_report
@@ -746,6 +773,21 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--gen-length", type=int, default=64)
     cal.add_argument("--budgets", type=_csv(int), default=(2, 3, 4, 8, 16), help="candidate budgets")
     cal.set_defaults(func=_calibrate)
+
+    mk = sub.add_parser(
+        "make-drafter", help="a SPOT drafter for a model: collect, train, fit, check (resumable, one command)"
+    )
+    _add_model_options(mk)
+    mk.add_argument("--out", required=True, help="the drafter folder (works with --drafter; resumed if there)")
+    mk.add_argument("--n-prompts", type=int, default=200, help="prompts whose trajectories are collected")
+    mk.add_argument("--prompts", default=None, help="a file of prompts, one per line (default: training questions)")
+    mk.add_argument("--minutes", type=float, default=10.0, help="order-model training time")
+    mk.add_argument("--gen-length", type=int, default=256)
+    mk.add_argument("--block-length", type=int, default=None, help="default: the model's own")
+    mk.add_argument("--survival-prompts", type=int, default=20)
+    mk.add_argument("--check-prompts", type=int, default=3)
+    mk.add_argument("--threads", type=int, default=1)
+    mk.set_defaults(func=_make_drafter)
 
     proj = sub.add_parser(
         "project", help="project SPOT's tokens/s at another target shape: bench acceptance x verify-cost pass cost"

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from spot_dlm.api import GenerateConfig, encode_prompt
+from spot_dlm.api import GenerateConfig, encode_prompt, settings_for
 from spot_dlm.decode import DraftContext, NoDrafter, StepRecord, decode_ids
 from spot_dlm.drafters.base import StaleGuesses
 from spot_dlm.drafters.neighbours import NeighbourTokens
@@ -111,7 +111,7 @@ class CollectConfig:
     n_prompts: int = 400
     prompts_per_shard: int = 25
     temperatures: tuple[float, ...] = (0.0, 1.0)
-    block_length: int = 32
+    block_length: int | None = 32  # None: the model's own (a family checkpoint's trained block)
     gen_length: int = 256
     depth: int = 8
     method: str = "standard"  # the rule whose trajectories are logged (standard, threshold, dynamic)
@@ -120,6 +120,7 @@ class CollectConfig:
     worker: int = 0  # this process writes the shards whose job index % workers == worker
     workers: int = 1
     neighbours: str | None = None  # drafter folder whose bigram fit corrects the logged confidence (None: not logged)
+    prompts_file: str | None = None  # one prompt per line, in place of the training questions
 
     def __post_init__(self):
         if self.workers < 1 or not 0 <= self.worker < self.workers:
@@ -164,6 +165,19 @@ def collection_prompts(n: int, seed: int = 0) -> list[str]:
     return [gsm8k[order[i // 2]]["question"] if i % 2 == 0 else symbolic[i // 2]["question"] for i in range(n)]
 
 
+def prompt_list(config: CollectConfig) -> list[str]:
+    """The collection's prompts: the first ``n_prompts`` lines of ``prompts_file``, else the training questions."""
+    if config.prompts_file is None:
+        return collection_prompts(config.n_prompts, config.seed)
+    path = Path(config.prompts_file)
+    if not path.is_file():
+        raise ValueError(f"prompts file not found: {path}")
+    prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    if len(prompts) < config.n_prompts:
+        raise ValueError(f"{path} holds {len(prompts)} prompts; {config.n_prompts} asked for")
+    return prompts[: config.n_prompts]
+
+
 def recorded_settings(config: CollectConfig) -> dict:
     """What a folder of shards records about how it was collected (JSON types; worker split left out)."""
     fields = {k: v for k, v in asdict(config).items() if k not in ("worker", "workers")}
@@ -190,7 +204,7 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     if config.out_dir.exists() and not config.out_dir.is_dir():
         raise ValueError(f"--out {config.out_dir} is a file, not a folder")
     check_writable_parent(config.out_dir / "x", "--out")
-    prompts = collection_prompts(config.n_prompts, config.seed)
+    prompts = prompt_list(config)
     recorded, record_path = recorded_settings(config), config.out_dir / "collect_config.json"
     if record_path.is_file():
         before = json.loads(record_path.read_text())
@@ -222,14 +236,14 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
 
 def collect_shard(target, codec, gen_config: GenerateConfig, prompts: list[str], ids: range, log: TrajectoryLog):
     """Decode the prompts ``ids`` (request index = prompt id) by ``gen_config``'s rule, logging every step."""
-    settings = gen_config.settings()
+    settings = settings_for(gen_config, target)
     block_offset = 0
     for prompt_id in ids:
         key = NoiseKey(gen_config.seed, prompt_id)
         prompt = encode_prompt(prompts[prompt_id], codec, gen_config, target)
         observer = log.observer(key, settings, target.mask_id, prompt_id, block_offset)
         raw = decode_ids(target, prompt, settings, NoDrafter(), key, observer)
-        block_offset += raw.token_ids.shape[0] // gen_config.block_length
+        block_offset += -(-raw.token_ids.shape[0] // settings.block_length)  # blocks it spans (a prompt tail too)
 
 
 def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:

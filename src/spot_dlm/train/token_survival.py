@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from spot_dlm.api import GenerateConfig, encode_prompt
+from spot_dlm.api import GenerateConfig, encode_prompt, settings_for
 from spot_dlm.decode import NoDrafter, StepRecord, decode_ids
 from spot_dlm.drafters.neighbours import CANDIDATES, StalePass, TokenCorrection, candidate_scores
 from spot_dlm.drafters.token_survival import MAX_STALENESS, SURVIVAL_RANKS, TokenSurvival, fit_bucket
@@ -129,7 +129,7 @@ def observe(
     prompts: list[str],
     temperature: float,
     seed: int,
-    block_length: int = 32,
+    block_length: int | None = 32,
     gen_length: int = 256,
     progress: bool = True,
     corrector: TokenCorrection | None = None,
@@ -144,7 +144,7 @@ def observe(
     for request, prompt in enumerate(tqdm(prompts, desc=f"token survival T={temperature:g}", disable=not progress)):
         key = NoiseKey(seed, request)
         ids = encode_prompt(prompt, codec, config, target)
-        decode_ids(target, ids, config.settings(), NoDrafter(), key, observations.observer(key))
+        decode_ids(target, ids, settings_for(config, target), NoDrafter(), key, observations.observer(key))
     return observations
 
 
