@@ -204,9 +204,12 @@ def test_cli_order_model_option(capsys: pytest.CaptureFixture, checkpoint_dir: P
     code, out, err = run_cli(capsys, *generate_args(checkpoint_dir, *spot, "--order-model", "none"))
     assert code == 0, err
     assert json.loads(out)["token_ids"] == json.loads(standard)["token_ids"]
-    without_prior = ("--order-model", "none", "--confidence-prior", "0")
-    code, _, err = run_cli(capsys, *generate_args(checkpoint_dir, *spot, *without_prior))
-    assert code == 2 and "confidence prior ranks positions alone" in err
+    target, _ = load_target(checkpoint_dir)
+    without_prior = GenerateConfig(
+        method="spot", budget=3, drafter=str(folder), order_model="none", confidence_prior=0
+    )
+    with pytest.raises(ValueError, match="confidence prior ranks positions alone"):
+        make_drafter(without_prior, target)
 
 
 def test_auto_order_model_drafts_one_node_on_a_cpu_without_the_model(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from spot_dlm.api import (
     generate,
     load_target,
 )
-from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR, OrderModelConfig
+from spot_dlm.drafters.order_model import OrderModelConfig
 from spot_dlm.models.families import FAMILIES
 from spot_dlm.tree import DEFAULT_DEPTH
 
@@ -136,14 +136,7 @@ def _generate(args: argparse.Namespace) -> int:
         tau=args.tau,
         budget=args.budget,
         depth=args.depth,
-        alternatives=args.alternatives,
-        confidence_prior=args.confidence_prior,
-        min_path_prob=args.min_path_prob,
-        token_survival=not args.no_token_survival,
-        neighbour_tokens=not args.no_neighbour_tokens,
-        neighbour_prior=not args.no_neighbour_prior,
         token_lm=args.token_lm,
-        handoffs=not args.no_handoffs,
         order_model=args.order_model,
         drafter=args.drafter,
         stop_at_eos=not args.full_length,
@@ -698,29 +691,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tau", type=float, default=0.9, help="confidence threshold (threshold, dynamic, spot-sets)")
     gen.add_argument("--budget", type=_budget, default=None, help=BUDGET_HELP)
     gen.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="maximum draft depth (speculative methods)")
-    gen.add_argument("--alternatives", type=int, default=1, help="tokens tried per drafted position (spot, stale)")
-    gen.add_argument(
-        "--confidence-prior",
-        type=float,
-        default=DEFAULT_CONFIDENCE_PRIOR,
-        help="spot: weight of log(stale coupled confidence) added to the order model's logits (0: order model only)",
-    )
-    gen.add_argument(
-        "--min-path-prob",
-        type=float,
-        default=0.0,
-        help="spot: draft only nodes whose path probability reaches this (0: fill the budget)",
-    )
-    gen.add_argument(
-        "--no-token-survival",
-        action="store_true",
-        help="spot: ignore the drafter's token_survival.json (rank branches by position probability alone)",
-    )
-    gen.add_argument(
-        "--no-neighbour-tokens",
-        action="store_true",
-        help="spot, spot-sets: draft the plain stale guesses (ignore the bigram.safetensors neighbour fit)",
-    )
     gen.add_argument(
         "--token-lm",
         action="store_true",
@@ -728,22 +698,11 @@ def build_parser() -> argparse.ArgumentParser:
         "trees; slower on a CPU)",
     )
     gen.add_argument(
-        "--no-handoffs",
-        action="store_true",
-        help="speculative methods: never draft the next block's first pass (hand-offs; same tokens, more passes)",
-    )
-    gen.add_argument(
         "--order-model",
         choices=ORDER_MODEL_SIZES,
         default="auto",
         help="spot: the paper-sized order model, the drafter folder's small one, none (the neighbour-corrected stale "
-        "confidence ranks positions alone; needs --confidence-prior > 0), or auto (on a CPU: none at budget 2, "
-        "else the small one if any)",
-    )
-    gen.add_argument(
-        "--no-neighbour-prior",
-        action="store_true",
-        help="spot: the confidence prior reads the stale confidence even where a neighbour was filled",
+        "confidence ranks positions alone), or auto (on a CPU: none at budget 2, else the small one if any)",
     )
     gen.add_argument("--full-length", action="store_true", help="decode the whole gen length, not stop at EOS")
     gen.add_argument("--raw", action="store_true", help="do not apply the prompt template")
