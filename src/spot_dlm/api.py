@@ -28,7 +28,7 @@ def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
     """The token correction and its survival fit from a drafter folder, or None (turned off, or no fit there): the
     folder's small LM (``token_lm/``, see ``drafters/token_lm.py``) when ``token_lm`` and it has one, else its
     bigram (``drafters/neighbours.py``). The LM is opt-in: it saves passes in deep trees, but on a CPU its passes
-    cost more time than they save (README, session 14).
+    cost more time than they save (docs/experiments/token-lm.md).
 
     A folder given with ``drafter`` must fit the target (a table of another vocabulary is a ValueError); the shipped
     fit belongs to the built-in target, so for a target of another vocabulary it is left out with a warning."""
@@ -84,7 +84,8 @@ def runs_order_model(config: GenerateConfig, target: Target, corrected: bool) ->
     target on the CPU when the drafter corrects the stale confidence for fresh neighbours (``corrected``): there the
     corrected confidence alone picks the drafted position as well as the model (50 GSM8K prompts: 3733 vs 3771
     passes at T = 0, 3797 vs 3747 at T = 1) and the round skips the model's features and forward (tokens/s 1.13x vs
-    1.04x standard decoding at T = 0, 1.04x vs 1.00x at T = 1; README, session 17). Deeper trees need the model."""
+    1.04x standard decoding at T = 0, 1.04x vs 1.00x at T = 1; docs/experiments/cpu-speed.md). Deeper trees need the
+    model."""
     if config.order_model == "none":
         return False
     one_node = config.budget <= 2 and config.confidence_prior > 0 and corrected

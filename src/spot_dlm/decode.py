@@ -374,6 +374,21 @@ def decode_block(
         opening = _opening(tree, scored, next_state, mask_id)
 
 
+def _generation(target, stats: DecodeStats, started: tuple, blocks, steps, pass_nos, skip: int = 0) -> RawGeneration:
+    """The decoded blocks (less their first ``skip`` positions: a prompt tail) and the stats since ``started`` =
+    (target passes, query tokens, perf_counter) at the start."""
+    start_passes, start_tokens, start_time = started
+    stats.target_passes = target.counter.passes - start_passes
+    stats.query_tokens = target.counter.query_tokens - start_tokens
+    stats.wall_seconds = time.perf_counter() - start_time
+    return RawGeneration(
+        token_ids=torch.cat(blocks)[skip:].cpu(),
+        commit_step=torch.cat(steps)[skip:].cpu(),
+        commit_pass=torch.cat(pass_nos)[skip:].cpu(),
+        stats=stats,
+    )
+
+
 def decode_ids(
     target: Target,
     prompt_ids: torch.Tensor,
@@ -419,15 +434,7 @@ def decode_ids(
         pass_nos.append(trace.pass_no)
         if settings.stop_at_eos and bool((finished == target.eos_id).any()):
             break
-    stats.target_passes = target.counter.passes - start_passes
-    stats.query_tokens = target.counter.query_tokens - start_tokens
-    stats.wall_seconds = time.perf_counter() - start_time
-    return RawGeneration(
-        token_ids=torch.cat(blocks).cpu(),
-        commit_step=torch.cat(steps).cpu(),
-        commit_pass=torch.cat(pass_nos).cpu(),
-        stats=stats,
-    )
+    return _generation(target, stats, (start_passes, start_tokens, start_time), blocks, steps, pass_nos)
 
 
 def _holds_stop(target, plan, block_index: int, trace: _BlockTrace, block: torch.Tensor) -> bool:
@@ -502,13 +509,5 @@ def decode_canvas(
                 steps.append(torch.full((1,), -1, device=state.device))
                 pass_nos.append(torch.full((1,), -1, device=state.device))
             break
-    stats.target_passes = target.counter.passes - start_passes
-    stats.query_tokens = target.counter.query_tokens - start_tokens
-    stats.wall_seconds = time.perf_counter() - start_time
-    tail = plan.tail
-    return RawGeneration(
-        token_ids=torch.cat(blocks)[tail:].cpu(),
-        commit_step=torch.cat(steps)[tail:].cpu(),
-        commit_pass=torch.cat(pass_nos)[tail:].cpu(),
-        stats=stats,
-    )
+    started = (start_passes, start_tokens, start_time)
+    return _generation(target, stats, started, blocks, steps, pass_nos, skip=plan.tail)
