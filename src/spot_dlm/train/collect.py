@@ -5,7 +5,8 @@ of the target's logits at ``s_i``, which positions were masked), the positions s
 stale confidence of the noise-coupled token for the next ``depth`` steps (the feature a drafter reads when it
 predicts commit ``i + d``). Shards are ``.npz`` files of plain arrays (loaded with ``allow_pickle=False``);
 collection resumes by skipping shards that exist, and Ctrl-C keeps the shards finished. Prompts come from the
-training split only.
+training split only. Under torchrun each process decodes every N-th prompt of a shard and rank 0 writes it
+(``spot_dlm.distributed``): the shards are those of one process.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tqdm import tqdm
 
 from spot_dlm.api import GenerateConfig, encode_prompt, settings_for
 from spot_dlm.decode import DraftContext, NoDrafter, StepRecord, decode_ids
+from spot_dlm.distributed import Group, current_group, from_main, gather_outcomes
 from spot_dlm.drafters.base import StaleGuesses
 from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.drafters.order_model import stale_top_probs
@@ -199,12 +201,54 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
     """Run standard decoding over training prompts at each temperature; write resumable shards.
 
     With `workers` > 1, several processes share one folder: each writes every `workers`-th shard and returns its own.
+    Under torchrun the processes of one worker share each shard's prompts; rank 0 alone writes.
     """
+    group = current_group()
     neighbours = neighbour_fit(config.neighbours, target.vocab_size)  # refused before the folder is touched
+    prompts = prompt_list(config)
+    taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
+    jobs = shard_jobs(config, taus, len(prompts))
+    pending, recorded = from_main(lambda: prepare_folder(config, jobs, len(prompts)), group)
+    record_path = config.out_dir / "collect_config.json"
+    shards = []
+    try:
+        for (temperature, tau, start), todo in zip(
+            tqdm(jobs, desc="collect shards", disable=not group.is_main), pending
+        ):
+            path = shard_path(config.out_dir, temperature, tau, start)
+            if todo:  # a shorter last shard of a smaller collection is collected again, whole
+                ids = range(start, min(start + config.prompts_per_shard, len(prompts)))
+                log = TrajectoryLog(depth=config.depth, tau=tau, temperature=temperature, neighbours=neighbours)
+                arrays = collect_shared(
+                    target, codec, logged_config(config, temperature, tau), prompts, ids, log, group
+                )
+                if group.is_main:
+                    write_shard(path, arrays)
+            shards.append(path)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"kept {len(shards)} finished shard(s) in {config.out_dir}") from None
+    finally:  # what the shards hold, not what was asked for
+        if group.is_main:
+            recorded["n_prompts"] = covered_prompts(
+                config.out_dir, config.temperatures, taus, config.prompts_per_shard
+            )
+            write_text_atomic(record_path, json.dumps(recorded))
+    return shards
+
+
+def shard_jobs(config: CollectConfig, taus, n_prompts: int) -> list[tuple[float, float, int]]:
+    """(temperature, tau, first prompt) of every shard this worker writes (``worker`` of ``workers``)."""
+    starts = range(0, n_prompts, config.prompts_per_shard)
+    jobs = [(t, tau, start) for t in config.temperatures for tau in taus for start in starts]
+    return jobs[config.worker :: config.workers]
+
+
+def prepare_folder(config: CollectConfig, jobs, n_prompts: int) -> tuple[list[bool], dict]:
+    """Check and record the collection in ``out_dir`` (refusing one made with other settings); -> which jobs still
+    need collecting, and the record."""
     if config.out_dir.exists() and not config.out_dir.is_dir():
         raise ValueError(f"--out {config.out_dir} is a file, not a folder")
     check_writable_parent(config.out_dir / "x", "--out")
-    prompts = prompt_list(config)
     recorded, record_path = recorded_settings(config), config.out_dir / "collect_config.json"
     if record_path.is_file():
         before = json.loads(record_path.read_text())
@@ -212,30 +256,56 @@ def collect(target, codec, config: CollectConfig) -> list[Path]:
         recorded["n_prompts"] = max(before["n_prompts"], recorded["n_prompts"])  # until the shards are counted
     config.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(record_path, json.dumps(recorded))
-    shards = []
-    taus = config.taus if config.method in ("threshold", "dynamic") else config.taus[:1]
-    starts = range(0, len(prompts), config.prompts_per_shard)
-    jobs = [(t, tau, start) for t in config.temperatures for tau in taus for start in starts]
-    jobs = jobs[config.worker :: config.workers]
-    try:
-        for temperature, tau, start in tqdm(jobs, desc="collect shards"):
-            path = shard_path(config.out_dir, temperature, tau, start)
-            end = min(start + config.prompts_per_shard, len(prompts))
-            if not holds_prompts(path, start, end):  # a shorter last shard of a smaller collection: again, whole
-                log = TrajectoryLog(depth=config.depth, tau=tau, temperature=temperature, neighbours=neighbours)
-                collect_shard(target, codec, logged_config(config, temperature, tau), prompts, range(start, end), log)
-                write_shard(path, log.arrays())
-            shards.append(path)
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt(f"kept {len(shards)} finished shard(s) in {config.out_dir}") from None
-    finally:  # what the shards hold, not what was asked for
-        recorded["n_prompts"] = covered_prompts(config.out_dir, config.temperatures, taus, config.prompts_per_shard)
-        write_text_atomic(record_path, json.dumps(recorded))
-    return shards
+    ends = [min(start + config.prompts_per_shard, n_prompts) for _, _, start in jobs]
+    pending = [not holds_prompts(shard_path(config.out_dir, *job), job[2], end) for job, end in zip(jobs, ends)]
+    return pending, recorded
 
 
-def collect_shard(target, codec, gen_config: GenerateConfig, prompts: list[str], ids: range, log: TrajectoryLog):
-    """Decode the prompts ``ids`` (request index = prompt id) by ``gen_config``'s rule, logging every step."""
+@dataclass(frozen=True)
+class PromptLog:
+    """The step rows of one prompt (block ids counted from 0) and how many blocks it spans."""
+
+    prompt_id: int
+    arrays: dict[str, np.ndarray]
+    blocks: int
+
+
+def collect_shared(target, codec, gen_config: GenerateConfig, prompts, ids: range, log: TrajectoryLog, group: Group):
+    """The shard of prompts ``ids``: this rank logs every ``world``-th prompt of it (each in a fresh copy of the
+    empty ``log``); -> the arrays of all ranks' prompts in prompt order, as one process logs them."""
+
+    def share() -> list[PromptLog]:
+        logs = []
+        for prompt_id in ids[group.rank :: group.world]:
+            one = TrajectoryLog(log.depth, log.tau, log.temperature, neighbours=log.neighbours)
+            blocks = collect_shard(target, codec, gen_config, prompts, range(prompt_id, prompt_id + 1), one)
+            logs.append(PromptLog(prompt_id, one.arrays(), blocks))
+        return logs
+
+    return merge_prompt_logs([one for logs in gather_outcomes(share, group) for one in logs])
+
+
+def merge_prompt_logs(logs: list[PromptLog]) -> dict[str, np.ndarray]:
+    """One shard's arrays from its prompts' logs: in prompt order, each prompt's block ids after the blocks of the
+    prompts before it."""
+    ordered = sorted(logs, key=lambda one: one.prompt_id)
+    offsets = np.cumsum([0] + [one.blocks for one in ordered])
+    return {
+        name: np.concatenate(
+            [
+                one.arrays[name] + offset if name == "block_id" else one.arrays[name]
+                for one, offset in zip(ordered, offsets)
+            ]
+        )
+        for name in ordered[0].arrays
+    }
+
+
+def collect_shard(
+    target, codec, gen_config: GenerateConfig, prompts: list[str], ids: range, log: TrajectoryLog
+) -> int:
+    """Decode the prompts ``ids`` (request index = prompt id) by ``gen_config``'s rule, logging every step; -> the
+    blocks they span."""
     settings = settings_for(gen_config, target)
     block_offset = 0
     for prompt_id in ids:
@@ -244,6 +314,7 @@ def collect_shard(target, codec, gen_config: GenerateConfig, prompts: list[str],
         observer = log.observer(key, settings, target.mask_id, prompt_id, block_offset)
         raw = decode_ids(target, prompt, settings, NoDrafter(), key, observer)
         block_offset += -(-raw.token_ids.shape[0] // settings.block_length)  # blocks it spans (a prompt tail too)
+    return block_offset
 
 
 def write_shard(path: Path, arrays: dict[str, np.ndarray]) -> None:
