@@ -427,9 +427,13 @@ def load_family_target(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    device_map: str | dict | None = None,
 ):
     """Load a real family's checkpoint as its authors do (their auto class, their remote code, safetensors only)
-    with its tokenizer; mask id, stop ids and trained block length from the checkpoint. -> (target, HFCodec)"""
+    with its tokenizer; mask id, stop ids and trained block length from the checkpoint. -> (target, HFCodec)
+
+    ``device_map`` (e.g. ``"auto"``; needs the ``accelerate`` package) goes to ``from_pretrained``, which spreads
+    the layers over the GPUs (and the CPU) in place of ``device``: a target larger than one GPU."""
     from pathlib import Path
 
     import transformers
@@ -450,8 +454,14 @@ def load_family_target(
         )
     auto_class = getattr(transformers, family.auto_class)
     try:
+        placed = {} if device_map is None else {"device_map": device_map}
         model = auto_class.from_pretrained(
-            folder, dtype=dtype, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code
+            folder,
+            dtype=dtype,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            **placed,
         )
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             folder, local_files_only=True, trust_remote_code=trust_remote_code
@@ -466,7 +476,7 @@ def load_family_target(
     stops = stop_ids(folder, config, family)
     cls = TARGET_CLASSES[family.name]
     target = cls(
-        model.to(device).eval(),
+        (model if device_map is not None else model.to(device)).eval(),
         family,
         mask,
         stops,

@@ -252,12 +252,14 @@ def load_hf_target(
     shifted_logits: bool = False,
     mask_id: int | None = None,
     trust_remote_code: bool = False,
+    device_map: str | dict | None = None,
 ) -> tuple[HFTarget, HFCodec]:
     """Load a local transformers checkpoint (safetensors weights only) and its tokenizer.
 
     The mask token comes from ``mask_id``, else the config's ``mask_token_id`` (SDAR, Dream), else the
     tokenizer's mask token. ``trust_remote_code`` lets the folder's own modeling code run (SDAR, LLaDA, Dream ship
-    theirs); it is off unless asked for. Nothing is downloaded.
+    theirs); it is off unless asked for. ``device_map`` (e.g. ``"auto"``; needs ``accelerate``) places the layers
+    over the GPUs in place of ``device``. Nothing is downloaded.
     """
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -272,8 +274,14 @@ def load_hf_target(
     if not any(folder.glob("*.safetensors")):
         raise ValueError(f"no safetensors weights in {folder} (pickled weights are not loaded: they can run code)")
     try:
+        placed = {} if device_map is None else {"device_map": device_map}
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, local_files_only=True, use_safetensors=True, trust_remote_code=trust_remote_code
+            folder,
+            dtype=dtype,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            **placed,
         )
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
@@ -287,5 +295,6 @@ def load_hf_target(
     eos = eos if eos is not None else _first_id(tokenizer.eos_token_id)
     if eos is None:
         raise ValueError(f"{folder} names no EOS token (config eos_token_id or tokenizer eos token)")
-    target = HFTarget(model.to(device).eval(), mask, eos, shifted_logits=shifted_logits, name=folder.name)
+    model = model if device_map is not None else model.to(device)
+    target = HFTarget(model.eval(), mask, eos, shifted_logits=shifted_logits, name=folder.name)
     return target, HFCodec(tokenizer, mask, eos)
