@@ -13,25 +13,23 @@ import torch
 
 from spot_dlm.api import GenerateConfig, generate
 from spot_dlm.bench.plots import acceptance_by_depth, plot_report
+from spot_dlm.bench.rows import THRESHOLD_FAMILY
 from spot_dlm.bench.run import (
     SPECULATIVE,
-    THRESHOLD_FAMILY,
     BenchConfig,
     best_budget_lines,
     best_budgets,
-    extract_answer,
     format_table,
-    is_correct,
     longest_repeat,
     reproduce_command,
     round_ending_lines,
     run_bench,
-    task_items,
 )
 from spot_dlm.cli import build_parser, main
 from spot_dlm.drafters.calibrated import save_rank_counts
 from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, save_order_model
 from spot_dlm.models.builtin import BuiltinTarget
+from spot_dlm.tasks import extract_answer, is_correct, task_items
 
 torch.set_num_threads(1)
 
@@ -421,44 +419,52 @@ def test_cli_bench_missing_drafter_exit_code_2(checkpoint_dir: Path, tmp_path: P
     assert "error" in capsys.readouterr().err
 
 
-def test_method_options_parse_variant_suffixes() -> None:
-    from spot_dlm.bench.run import method_options
+def test_bench_rows_set_generate_config_fields() -> None:
+    from spot_dlm.bench.rows import parse_row
 
-    assert method_options("spot") == ("spot", {})
-    assert method_options("spot-alt2") == ("spot", {"alternatives": 2})
-    assert method_options("spot-alt2-r3") == ("spot", {"alternatives": 2, "drafter_refresh": 3})
-    assert method_options("spot-p3-alt2-r2") == (
+    assert parse_row("spot") == ("spot", {})
+    assert parse_row("spot-sets") == ("spot-sets", {})
+    assert parse_row("spot:confidence_prior=3") == ("spot", {"confidence_prior": 3.0})
+    assert parse_row("spot:token_survival=off:neighbour_tokens=on:neighbour_prior=false") == (
         "spot",
-        {"confidence_prior": 3, "alternatives": 2, "drafter_refresh": 2},
+        {"token_survival": False, "neighbour_tokens": True, "neighbour_prior": False},
     )
-    assert method_options("spot-m50") == ("spot", {"min_path_prob": 0.5})
-    assert method_options("spot-p3-m25") == ("spot", {"confidence_prior": 3, "min_path_prob": 0.25})
-    assert method_options("spot-sets") == ("spot-sets", {})
-    assert method_options("stale-sets") == ("stale-sets", {})
-    assert method_options("spot-ts0") == ("spot", {"token_survival": False})
-    assert method_options("spot-alt2-m30-ts1") == (
-        "spot",
-        {"alternatives": 2, "min_path_prob": 0.3, "token_survival": True},
-    )
-    assert method_options("spot-nb0") == ("spot", {"neighbour_tokens": False})
-    assert method_options("spot-p5-ts0-nb1-np0") == (
-        "spot",
-        {"confidence_prior": 5, "token_survival": False, "neighbour_tokens": True, "neighbour_prior": False},
-    )
-    assert method_options("order-oracle-nb0") == ("order-oracle", {"neighbour_tokens": False})
-    assert method_options("spot-small") == ("spot", {"order_model": "small"})
-    assert method_options("spot-nb0-paper") == ("spot", {"neighbour_tokens": False, "order_model": "paper"})
-    assert method_options("spot-smaller") == ("spot-smaller", {})
-    assert method_options("spot-ho0") == ("spot", {"handoffs": False})
-    assert method_options("spot-sets-lm1-ho0") == ("spot-sets", {"token_lm": True, "handoffs": False})
+    assert parse_row("order-oracle:neighbour_tokens=off") == ("order-oracle", {"neighbour_tokens": False})
+    assert parse_row("spot:order_model=small:handoffs=off") == ("spot", {"order_model": "small", "handoffs": False})
+    assert parse_row("spot-sets:token_lm=on:handoffs=0") == ("spot-sets", {"token_lm": True, "handoffs": False})
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ("spot:alternatives=2", "unknown option 'alternatives'"),
+        ("spot:handoffs", "is not key=value"),
+        ("spot:handoffs=", "is not key=value"),
+        ("spot:handoffs=maybe", "handoffs is on or off"),
+        ("spot:confidence_prior=high", "confidence_prior is a number"),
+        ("spot:order_model=huge", "order_model is one of"),
+        ("spot:handoffs=on:handoffs=off", "set twice"),
+        (":handoffs=on", "no method"),
+    ],
+)
+def test_bad_bench_rows_are_named(row: str, message: str) -> None:
+    from spot_dlm.bench.rows import parse_row
+
+    with pytest.raises(ValueError, match=message):
+        parse_row(row)
+
+
+def test_a_bad_row_fails_before_any_decoding(capsys) -> None:
+    assert main(["bench", "--methods", "standard,spot:prior=3", "--budgets", "2", "--n-prompts", "1"]) == 2
+    assert "unknown option 'prior'" in capsys.readouterr().err
 
 
 def test_variants_of_sets_methods_are_compared_with_their_threshold_rule() -> None:
-    from spot_dlm.bench.run import threshold_family
+    from spot_dlm.bench.rows import threshold_family
 
-    assert threshold_family("spot-sets-nb0") == threshold_family("spot-sets") == "threshold"
-    assert threshold_family("spot-sets-dynamic-nb0") == "dynamic"
-    assert threshold_family("spot-nb0") is None and threshold_family("threshold") == "threshold"
+    assert threshold_family("spot-sets:neighbour_tokens=off") == threshold_family("spot-sets") == "threshold"
+    assert threshold_family("spot-sets-dynamic:neighbour_tokens=off") == "dynamic"
+    assert threshold_family("spot:neighbour_tokens=off") is None and threshold_family("threshold") == "threshold"
 
 
 def test_merge_reports_keeps_every_row_and_config() -> None:

@@ -202,28 +202,6 @@ def test_budget_two_asks_the_scorer_once(temperature: float, seed: int) -> None:
     assert [len(rows) for rows in scorer.calls] == [1]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("min_path_prob", [0.05, 0.2, 0.5])
-def test_min_path_prob_keeps_the_nodes_that_reach_it(temperature: float, seed: int, min_path_prob: float) -> None:
-    """A cost-aware tree is the budget-limited tree cut to the nodes whose path probability reaches the floor."""
-    context = make_context(temperature, seed=seed)
-    scorer = state_scorer(200 + seed)
-    full = grow_tree(context, 12, 4, scorer)
-    cut = grow_tree(context, 12, 4, scorer, min_path_prob=min_path_prob)
-    floor = np.log(min_path_prob)
-    reaching = [n for n in range(len(full)) if path_logprob(full, n, scorer) >= floor - 1e-12]
-    assert cut.states.shape[0] == len(reaching) <= len(full)
-    assert {cut.lookup(full.states[n], full.steps[n]) is not None for n in reaching} == {True}
-    check_one_commit_tree(cut, context)
-
-
-def test_min_path_prob_one_is_root_only_and_zero_fills_the_budget() -> None:
-    context = make_context(1.0, seed=5)
-    assert len(grow_tree(context, 6, 4, state_scorer(9), min_path_prob=0.999999)) == 1
-    assert len(grow_tree(context, 6, 4, state_scorer(9), min_path_prob=0.0)) == 6
-
-
 def test_grow_tree_prefers_the_scored_order() -> None:
     context = make_context(0.0)
     tree = grow_tree(context, budget=5, max_depth=8, position_logprobs=order_scorer)

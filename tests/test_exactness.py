@@ -217,44 +217,33 @@ def make_drafter(name: str, case: Case, rule: CommitRule, scoring: str, trained:
     if name == "spot-trained":  # the order model alone, no confidence prior
         assert trained is not None
         return SpotDrafter(trained, budget=case.budget, depth=case.depth, confidence_prior=0.0)
-    if name == "spot-alt2-r2":  # runner-up tokens and an order model refreshed every second level
-        model = trained if trained is not None else random_order_model(case.seed % 2)
-        return SpotDrafter(model, budget=case.budget, depth=case.depth, alternatives=2, refresh_every=2)
     if name == "spot-prior3":  # the stale-confidence prior added to the order logits
         model = trained if trained is not None else random_order_model(case.seed % 2)
         return SpotDrafter(model, budget=case.budget, depth=case.depth, confidence_prior=3.0)
-    if name == "spot-min30":  # cost-aware trees: nodes below path probability 0.3 left out (often root only)
+    if name == "spot-ts":  # tokens weighed by a (made-up, lopsided) token-survival fit
         model = trained if trained is not None else random_order_model(case.seed % 2)
-        return SpotDrafter(model, budget=case.budget, depth=case.depth, min_path_prob=0.3)
-    if name in ("spot-ts", "spot-ts-alt3"):  # tokens weighed by a (made-up, lopsided) token-survival fit
-        model = trained if trained is not None else random_order_model(case.seed % 2)
-        alternatives = 3 if name == "spot-ts-alt3" else 1
-        return SpotDrafter(
-            model, budget=case.budget, depth=case.depth, alternatives=alternatives, token_survival=SURVIVAL
-        )
+        return SpotDrafter(model, budget=case.budget, depth=case.depth, token_survival=SURVIVAL)
     if name == "spot-nb-corrected":  # the order model reads the neighbour-corrected confidence as an input
         torch.manual_seed(case.seed % 2)
         config = OrderModelConfig(top_k=ORDER_TOP_K, d_model=32, n_layers=1, n_heads=2, corrected_feature=True)
         model = OrderModel(config).eval()
         return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case))
-    if name in ("spot-nb", "spot-nb-ts-alt2", "spot-nb-prior"):  # tokens re-ranked by fresh neighbours (made up)
+    if name in ("spot-nb", "spot-nb-ts", "spot-nb-prior"):  # tokens re-ranked by fresh neighbours (made up)
         model = trained if trained is not None else random_order_model(case.seed % 2)
-        extra = {"alternatives": 2, "token_survival": SURVIVAL} if name == "spot-nb-ts-alt2" else {}
+        extra = {"token_survival": SURVIVAL} if name == "spot-nb-ts" else {}
         if name == "spot-nb-prior":  # the confidence prior reads the corrected confidence too
             extra = {"confidence_prior": 3.0, "neighbour_prior": True}
         return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
     if name == "spot-none-nb-ts":  # no order model: the neighbour-corrected stale confidence ranks positions alone
         extra = {"token_survival": SURVIVAL, "confidence_prior": 3.0}
         return SpotDrafter(None, budget=case.budget, depth=case.depth, neighbours=neighbour_tokens(case), **extra)
-    if name in ("spot-lm", "spot-lm-ts-alt2-prior"):  # tokens re-ranked by a small LM's change of belief (+ bigram)
+    if name in ("spot-lm", "spot-lm-ts-prior"):  # tokens re-ranked by a small LM's change of belief (+ bigram)
         model = trained if trained is not None else random_order_model(case.seed % 2)
         extra = {}
-        if name == "spot-lm-ts-alt2-prior":
-            extra = {"alternatives": 2, "token_survival": SURVIVAL, "confidence_prior": 3.0, "neighbour_prior": True}
+        if name == "spot-lm-ts-prior":
+            extra = {"token_survival": SURVIVAL, "confidence_prior": 3.0, "neighbour_prior": True}
         neighbours = token_lm(case, with_bigram=bool(extra))
         return SpotDrafter(model, budget=case.budget, depth=case.depth, neighbours=neighbours, **extra)
-    if name == "stale-alt3":
-        return StaleConfidenceDrafter(budget=case.budget, depth=case.depth, alternatives=3)
     if name == "stale-sets":
         return StaleSetsDrafter(budget=case.budget, depth=case.depth)
     if name == "spot-sets":
@@ -475,12 +464,12 @@ def test_speculative_equals_standard(temperature, drafter_name, scoring, trained
 @pytest.mark.parametrize("scoring", SCORINGS)
 @pytest.mark.parametrize(
     "drafter_name",
-    ("spot-alt2-r2", "spot-prior3", "spot-min30", "stale-alt3", "spot-ts", "spot-ts-alt3", "order-oracle", "spot-nb"),
+    ("spot-prior3", "spot-ts", "order-oracle", "spot-nb"),
 )
 @pytest.mark.parametrize("temperature", (0.0, 1.0))
 def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, trained):
-    """Token alternatives, level-skipping order models, cost-aware trees and token-survival weights change only
-    what is drafted."""
+    """The confidence prior, token-survival weights, the order oracle and neighbour tokens change only what is
+    drafted."""
     rule = CommitRule("one", temperature=temperature)
     for seed in range(20, 23):
         case = make_case(seed, kind="deep") if seed % 2 else make_case(seed)
@@ -492,13 +481,13 @@ def test_drafter_variants_equal_standard(temperature, drafter_name, scoring, tra
     "drafter_name",
     (
         "spot-nb",
-        "spot-nb-ts-alt2",
+        "spot-nb-ts",
         "spot-nb-prior",
         "spot-nb-corrected",
         "spot-none-nb-ts",
         "order-oracle-nb",
         "spot-lm",
-        "spot-lm-ts-alt2-prior",
+        "spot-lm-ts-prior",
     ),
 )
 @pytest.mark.parametrize("temperature", TEMPERATURES)

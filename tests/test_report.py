@@ -51,7 +51,7 @@ def test_drafter_descriptions_follow_the_defaults() -> None:
     assert drafter_description("spot", 2, "cpu") == "stale confidence (no order model)"
     assert drafter_description("spot", 16, "cpu").startswith("order model 107K")
     assert drafter_description("spot", 16, "cuda").startswith("order model 608K")
-    assert "token LM 3.67M" in drafter_description("spot-lm1", 64, "cpu")
+    assert "token LM 3.67M" in drafter_description("spot:token_lm=on", 64, "cpu")
 
 
 def test_bad_reports_are_clear_errors(tmp_path: Path, capsys) -> None:

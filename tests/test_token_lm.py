@@ -12,7 +12,7 @@ import torch
 
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, load_target, make_drafter
-from spot_dlm.bench.run import method_options
+from spot_dlm.bench.rows import parse_row
 from spot_dlm.drafters import token_lm
 from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens, StalePass, save_bigram, weighted_correction
 from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE, TokenLM, load_token_lm, save_token_lm_fit
@@ -241,13 +241,12 @@ def test_token_lm_of_another_vocabulary_or_a_corrupt_fit_is_refused(long_checkpo
         load_token_lm(folder, target)
 
 
-def test_bench_suffix_turns_the_token_lm_on() -> None:
-    assert method_options("spot-lm1") == ("spot", {"token_lm": True})
-    assert method_options("spot-nb1-lm1-np0") == (
+def test_a_bench_row_turns_the_token_lm_on() -> None:
+    assert parse_row("spot:token_lm=on") == ("spot", {"token_lm": True})
+    assert parse_row("spot:neighbour_tokens=on:token_lm=on:neighbour_prior=off") == (
         "spot",
         {"neighbour_prior": False, "token_lm": True, "neighbour_tokens": True},
     )
-    assert method_options("spot-m50") == ("spot", {"min_path_prob": 0.5})
 
 
 def test_cli_fit_token_survival_installs_and_fits_a_token_lm(capsys, long_checkpoint: Path, tmp_path: Path) -> None:

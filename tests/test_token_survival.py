@@ -105,19 +105,18 @@ def test_corrupt_survival_file_is_a_clear_error(tmp_path: Path, raw: str) -> Non
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("alternatives", [1, 3])
-def test_edges_carry_position_plus_token_survival(temperature: float, alternatives: int) -> None:
-    """A child's log-probability is its position's plus the fitted survival of its token's rank."""
+def test_edges_carry_position_plus_token_survival(temperature: float) -> None:
+    """A child's log-probability is its position's plus the fitted survival of its token."""
     context = make_context(temperature, seed=2, root_step=3)
     guesses = StaleGuesses(context)
     scorer = state_scorer(1)
-    children = one_commit_children(scorer, 4, guesses, alternatives, SURVIVAL)
+    children = one_commit_children(scorer, 4, guesses, SURVIVAL)
     proposed = children(context.root[None], [context.root_step])
     position_logprob = scorer(context.root[None], [context.root_step])[0]
     token_logprob = SURVIVAL.log_probs(
-        guesses.best_scores(context.root_step, torch.arange(L), max(alternatives, SURVIVAL_RANKS)), temperature, 1
+        guesses.best_scores(context.root_step, torch.arange(L), SURVIVAL_RANKS), temperature, 1
     )
-    assert len(proposed.node) == 4 * alternatives
+    assert len(proposed.node) == 4 and not proposed.rank.any()
     for value, rank, position in zip(proposed.logprob, proposed.rank, proposed.commit_position):
         expected = position_logprob[position] + token_logprob[rank, position]
         assert value == pytest.approx(float(expected), abs=1e-12)

@@ -111,10 +111,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
         model,
         budget=config.budget,
         depth=config.depth,
-        alternatives=config.alternatives,
-        refresh_every=config.drafter_refresh,
         confidence_prior=config.confidence_prior,
-        min_path_prob=config.min_path_prob,
         token_survival=survival,
         neighbours=neighbours,
         neighbour_prior=config.neighbour_prior,
@@ -124,7 +121,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
 def _stale_drafter(config: GenerateConfig, target: Target) -> Drafter:
     from spot_dlm.drafters.simple import StaleConfidenceDrafter
 
-    return StaleConfidenceDrafter(budget=config.budget, depth=config.depth, alternatives=config.alternatives)
+    return StaleConfidenceDrafter(budget=config.budget, depth=config.depth)
 
 
 def _chain_drafter(config: GenerateConfig, target: Target) -> Drafter:
@@ -160,27 +157,37 @@ def _stale_sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
 
 
 # method name -> commit rule kind; methods with a drafter factory are speculative (and exact)
-METHOD_RULES: dict[str, str] = {
-    "standard": "one",
-    "threshold": "threshold",
-    "dynamic": "dynamic",
-    "spot": "one",
-    "stale": "one",
-    "chain": "one",
-    "calibrated": "one",
-    "spot-sets": "threshold",
-    "spot-sets-dynamic": "dynamic",
-    "stale-sets": "threshold",
+@dataclass(frozen=True)
+class Method:
+    """A decoding method: the commit rule it decodes by and, for a speculative method, the drafter that proposes
+    its trees. A speculative method is token-identical to the drafter-free method of its rule (``exact_to``)."""
+
+    rule: str  # CommitRule kind: one, threshold, dynamic
+    drafter: Callable[[GenerateConfig, Target], Drafter] | None = None  # None: the rule decodes alone
+
+    @property
+    def exact_to(self) -> str:
+        return RULE_METHODS[self.rule]
+
+
+RULE_METHODS = {"one": "standard", "threshold": "threshold", "dynamic": "dynamic"}  # each rule's drafter-free method
+METHODS: dict[str, Method] = {
+    "standard": Method("one"),
+    "threshold": Method("threshold"),
+    "dynamic": Method("dynamic"),
+    "spot": Method("one", _spot_drafter),
+    "stale": Method("one", _stale_drafter),
+    "chain": Method("one", _chain_drafter),
+    "calibrated": Method("one", _calibrated_drafter),
+    "spot-sets": Method("threshold", _sets_drafter),
+    "spot-sets-dynamic": Method("dynamic", _sets_drafter),
+    "stale-sets": Method("threshold", _stale_sets_drafter),
 }
-DRAFTER_FACTORIES: dict[str, Callable[[GenerateConfig, Target], Drafter]] = {
-    "spot": _spot_drafter,
-    "stale": _stale_drafter,
-    "chain": _chain_drafter,
-    "calibrated": _calibrated_drafter,
-    "spot-sets": _sets_drafter,
-    "spot-sets-dynamic": _sets_drafter,
-    "stale-sets": _stale_sets_drafter,
-}
+
+
+def is_speculative(method: str) -> bool:
+    """Whether a method drafts (and so has a budget)."""
+    return method in METHODS and METHODS[method].drafter is not None
 
 
 def target_device(target: Target) -> torch.device:
@@ -228,10 +235,7 @@ class GenerateConfig:
     # for this device and target (``budget.py``; without a measurement the device kind's prior)
     budget: int | None = None
     depth: int = DEFAULT_DEPTH  # speculative methods: maximum draft depth
-    alternatives: int = 1  # spot / stale: tokens tried per drafted position (1 = the stale coupled guess only)
-    drafter_refresh: int = 1  # spot: run the order model every this many tree levels (1 = every level)
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR  # spot: weight of log(stale coupled confidence) in the order
-    min_path_prob: float = 0.0  # spot: draft only nodes whose path probability reaches this (0: fill the budget)
     token_survival: bool = True  # spot: weigh drafted tokens by the drafter folder's token_survival.json, if any
     neighbour_tokens: bool = True  # spot, spot-sets: re-rank drafted tokens by fresh neighbours (bigram fit), if any
     neighbour_prior: bool = True  # spot: the confidence prior reads the neighbour-corrected confidence (with them)
@@ -250,8 +254,8 @@ class GenerateConfig:
     family_alg: str | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHOD_RULES:
-            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(sorted(METHOD_RULES))}")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(sorted(METHODS))}")
         if self.block_length is not None and self.block_length < 1:
             raise ValueError(f"block length must be >= 1, got {self.block_length}")
         if self.gen_length < 1:
@@ -268,16 +272,10 @@ class GenerateConfig:
             raise ValueError(f"budget (draft nodes per pass) must be >= 1, got {self.budget}")
         if self.depth < 1:
             raise ValueError(f"depth must be >= 1, got {self.depth}")
-        if self.drafter_refresh < 1:
-            raise ValueError(f"drafter_refresh must be >= 1, got {self.drafter_refresh}")
         if not self.confidence_prior >= 0:  # also rejects NaN
             raise ValueError(f"confidence_prior must be >= 0, got {self.confidence_prior}")
-        if not 0 <= self.min_path_prob < 1:
-            raise ValueError(f"min_path_prob must be in [0, 1), got {self.min_path_prob}")
         if self.order_model not in ORDER_MODEL_SIZES:
             raise ValueError(f"unknown order model {self.order_model!r}; choose one of {', '.join(ORDER_MODEL_SIZES)}")
-        if self.alternatives < 1:
-            raise ValueError(f"alternatives must be >= 1, got {self.alternatives}")
         from spot_dlm.safety import check_generate_config  # seed range, budget x block, the drafter folder's kind
 
         check_generate_config(self)
@@ -285,7 +283,7 @@ class GenerateConfig:
 
     def rule(self) -> CommitRule:
         return CommitRule(
-            kind=METHOD_RULES[self.method],
+            kind=METHODS[self.method].rule,
             temperature=self.temperature,
             confidence=self.confidence,
             k=self.min_commits,
@@ -339,7 +337,7 @@ def settings_for(config: GenerateConfig, target) -> DecodeSettings:
     if config.numerics == "authors":
         spec = FamilyDecoding(
             family=target.family.name,
-            kind=METHOD_RULES[config.method],
+            kind=METHODS[config.method].rule,
             mask_id=target.mask_id,
             temperature=config.temperature,
             block_length=length,
@@ -430,7 +428,7 @@ def with_budget(config: GenerateConfig, target: Target) -> GenerateConfig:
 
 def make_drafter(config: GenerateConfig, target: Target) -> Drafter:
     config = with_budget(config, target)
-    factory = DRAFTER_FACTORIES.get(config.method)
+    factory = METHODS[config.method].drafter
     return NoDrafter() if factory is None else factory(config, target)
 
 

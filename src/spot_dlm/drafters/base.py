@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -272,19 +271,6 @@ class Children:
     commit_position: np.ndarray  # int64 [P]
     commit_token: np.ndarray | None = None  # int64 [P]: the token of each commit (None: the step's stale guess)
 
-    def select(self, chosen: np.ndarray) -> Children:
-        """The children where ``chosen`` (bool [C]) holds, in order."""
-        renumber = np.cumsum(chosen) - 1  # [C]: new index of each chosen child
-        kept = chosen[self.commit_child]  # [P]
-        return Children(
-            self.node[chosen],
-            self.logprob[chosen],
-            self.rank[chosen],
-            renumber[self.commit_child[kept]],
-            self.commit_position[kept],
-            None if self.commit_token is None else self.commit_token[kept],
-        )
-
 
 # (node states int64 [B, L], rule-step indices) -> the candidate children of every node
 ChildProposer = Callable[[torch.Tensor, list[int]], Children]
@@ -320,55 +306,46 @@ def one_commit_children(
     scorer: PositionScorer,
     keep: int,
     guesses: StaleGuesses | None = None,
-    alternatives: int = 1,
     token_survival: TokenSurvival | None = None,
 ) -> ChildProposer:
     """Children that each commit one position: the ``keep`` most likely positions of every node.
 
-    A child's log-probability is its position's plus, when a token model is given, its token's: with
-    ``token_survival`` the fitted probability that the guess of that rank is still the target's token (see
-    ``drafters/token_survival.py``); without it, for ``alternatives`` > 1 only, the token's stale log-probability.
-    With ``alternatives`` = A > 1 each position is tried with its A best coupled guesses. When ``guesses`` carry a
-    neighbour correction, each child's tokens are chosen for its own parent (``StaleGuesses.child_guesses``).
+    A child's log-probability is its position's plus, with ``token_survival``, the fitted log-probability that its
+    coupled guess is still the target's token (see ``drafters/token_survival.py``). When ``guesses`` carry a
+    neighbour correction, each child's token is chosen for its own parent (``StaleGuesses.child_guesses``).
     """
     if token_survival is not None and guesses is None:
         raise ValueError("scoring tokens by survival needs the stale guesses")
     per_node = guesses is not None and guesses.neighbours is not None
 
-    def token_logprobs(step: int, positions: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:
-        """log P(guess r is the committed token) for commits at ``step`` at the given positions. -> float64 [P, A]
-        ``scores`` float64 [R, P]: the guesses' coupled scores, best first (default: the stale ones)."""
-        if token_survival is None:
-            return guesses.ranked(step, alternatives)[1].cpu().numpy()[:, positions].T
+    def survival_logprobs(step: int, positions: np.ndarray, scores: np.ndarray | None = None) -> np.ndarray:
+        """log P(the best guess is the committed token) for commits at ``step`` at the given positions.
+        ``scores`` float64 [R, P]: the guesses' coupled scores, best first (default: the stale ones). -> float64 [P]"""
         context = guesses.context
         if scores is None:
-            ranks = max(alternatives, SURVIVAL_RANKS)
-            scores = guesses.best_scores(step, torch.from_numpy(positions), ranks).cpu().numpy()  # [R, P]
+            scores = guesses.best_scores(step, torch.from_numpy(positions), SURVIVAL_RANKS).cpu().numpy()  # [R, P]
         staleness = step - context.root_step + 1  # commits since the stale pass
         log_probs = token_survival.log_probs(torch.from_numpy(scores), context.rule.temperature, staleness)
-        return log_probs[:alternatives].T.cpu().numpy()
+        return log_probs[0].cpu().numpy()
 
     def per_parent(states: np.ndarray, child_step: np.ndarray, node: np.ndarray, positions: np.ndarray):
-        """Tokens chosen for each child's own parent (neighbour correction), with their log-probabilities:
-        int64 [C, A] and float64 [C, A] (zeros when nothing scores tokens). states int64 [B, L] on the host"""
+        """Tokens chosen for each child's own parent (neighbour correction), with their survival log-probabilities:
+        int64 [C] and float64 [C] (zeros without a survival fit). states int64 [B, L] on the host"""
         parents = states[node]  # [C, L]
-        tokens = np.empty((len(node), alternatives), dtype=np.int64)
-        token_logprob = np.zeros((len(node), alternatives))
+        tokens = np.empty(len(node), dtype=np.int64)
+        token_logprob = np.zeros(len(node))
         for step, same in step_groups(child_step):
-            ranks = max(alternatives, SURVIVAL_RANKS)
-            ranked, ranked_scores = guesses.child_guesses(step, parents[same], positions[same], ranks)  # [R, c]
-            tokens[same] = ranked[:alternatives].T
+            ranked, ranked_scores = guesses.child_guesses(step, parents[same], positions[same], SURVIVAL_RANKS)
+            tokens[same] = ranked[0]  # ranked, ranked_scores: [R, c]
             if token_survival is not None:
-                token_logprob[same] = token_logprobs(step, positions[same], ranked_scores)
-            elif alternatives > 1:
-                token_logprob[same] = guesses.stale_logprobs(positions[same], tokens[same])
+                token_logprob[same] = survival_logprobs(step, positions[same], ranked_scores)
         return tokens, token_logprob
 
     def per_step(child_step: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """log-probabilities float64 [C, A] of the step's stale guesses of each rank."""
-        token_logprob = np.empty((len(positions), alternatives))
+        """Survival log-probabilities float64 [C] of the step's stale guesses."""
+        token_logprob = np.empty(len(positions))
         for step, same in step_groups(child_step):
-            token_logprob[same] = token_logprobs(step, positions[same])
+            token_logprob[same] = survival_logprobs(step, positions[same])
         return token_logprob
 
     def children(states: torch.Tensor, steps: list[int]) -> Children:
@@ -376,18 +353,15 @@ def one_commit_children(
         host = states.cpu().numpy()  # [B, L]
         node, values, positions = top_positions(scores, keep)  # [C] each
         child_step = np.asarray(steps)[node]  # [C]
-        tokens = None  # int64 [C, A] when chosen per parent; None: the step's stale guesses
+        tokens = None  # int64 [C] when chosen per parent; None: the step's stale guesses
         if per_node:
             tokens, token_logprob = per_parent(host, child_step, node, positions)
-        elif alternatives > 1 or token_survival is not None:
+        elif token_survival is not None:
             token_logprob = per_step(child_step, positions)
+        if token_survival is not None:
+            values = values + token_logprob
         rank = np.zeros_like(node)
-        if alternatives > 1 or token_survival is not None:
-            values = (values[:, None] + token_logprob).ravel()  # [C * A]: each position's ranks in turn
-            node, positions = np.repeat(node, alternatives), np.repeat(positions, alternatives)
-            rank = np.tile(np.arange(alternatives), len(token_logprob))
-        commit_token = None if tokens is None else tokens.ravel()  # [C * A], in the order of the children
-        proposed = Children(node, values, rank, np.arange(len(node)), positions, commit_token)
+        proposed = Children(node, values, rank, np.arange(len(node)), positions, tokens)
         if guesses is not None and guesses.context.handoffs and token_survival is not None:
             proposed = last_commit_alternatives(proposed, host, steps, guesses, token_survival)
         return proposed
@@ -495,14 +469,9 @@ def grow_tree(
     position_logprobs: PositionScorer | None = None,
     guesses: StaleGuesses | None = None,
     children: ChildProposer | None = None,
-    alternatives: int = 1,
-    min_path_prob: float = 0.0,
     token_survival: TokenSurvival | None = None,
 ) -> DraftTree:
     """Best-first tree under a node budget (root included) and a depth limit.
-
-    ``min_path_prob`` admits only nodes whose path probability reaches it, so a round scores fewer nodes when the
-    drafter is unsure: on hardware where every scored node costs (a CPU), a node worth less than its cost is left out.
 
     Every edge commits one position (``position_logprobs``) or a set of positions (``children``) with their stale
     coupled tokens; a node's score is its path log-probability (with ``token_survival``, the token's survival
@@ -516,8 +485,7 @@ def grow_tree(
     """
     guesses = guesses if guesses is not None else StaleGuesses(context)
     if children is None:
-        children = one_commit_children(position_logprobs, budget - 1, guesses, alternatives, token_survival)
-    min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
+        children = one_commit_children(position_logprobs, budget - 1, guesses, token_survival)
     root = context.root.cpu()
     grown = _Levels([root.numpy()[None]], [np.zeros(1)], [np.full(1, -1)], [np.zeros(1, dtype=bool)])
     best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
@@ -532,9 +500,6 @@ def grow_tree(
         step = context.root_step + depth  # every node of a level is ``depth`` rule steps below the root
         proposed = children(torch.from_numpy(states).to(context.root.device), [step] * len(level))
         path = logprob[proposed.node] + proposed.logprob  # [C]
-        admitted = ~(path < min_logprob)
-        if not admitted.all():
-            proposed, path = proposed.select(admitted), path[admitted]
         made = _commit(states, proposed, guesses, step)  # [C, L]
         grown.parent.append(grown.count - len(grown.logprob[-1]) + level[proposed.node])  # candidate indices
         grown.states.append(made)

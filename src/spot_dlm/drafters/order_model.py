@@ -479,10 +479,6 @@ def load_order_model(folder: Path) -> OrderModel:
 class SpotDrafter:
     """SPOT: best-first tree over the order model's next-commit distributions.
 
-    ``refresh_every`` = r runs the order model on tree levels 0, r, 2r, ...; a node on another level reuses its
-    parent's position logits with the committed position removed (a Plackett-Luce step), cutting drafter
-    forwards by a factor r at some cost in conditioning. 1 conditions every level on the branch.
-
     ``confidence_prior`` = w adds ``w * log(stale confidence of the coupled token)`` to the order logits: the
     stale estimate of the very score the one-commit rule ranks positions by. It matters most at T > 0, where
     that score belongs to a noise-coupled sample the order model (which has no temperature input) reads poorly.
@@ -503,10 +499,7 @@ class SpotDrafter:
     model: OrderModel | FrozenOrderModel | None  # None: the confidence prior alone ranks positions
     budget: int = 16
     depth: int = DEFAULT_DEPTH
-    alternatives: int = 1  # tokens tried per position (1: the stale coupled guess only)
-    refresh_every: int = 1
     confidence_prior: float = DEFAULT_CONFIDENCE_PRIOR
-    min_path_prob: float = 0.0  # leave out nodes whose path probability is below this (cost-aware trees)
     token_survival: TokenSurvival | None = None  # scores each drafted token by how likely it survives (None: not)
     neighbours: NeighbourTokens | None = None  # re-ranks drafted tokens by the branch's fresh neighbours (None: not)
     neighbour_prior: bool = True  # the confidence prior reads the corrected confidence where neighbours moved
@@ -528,8 +521,6 @@ class SpotDrafter:
         guesses = StaleGuesses(context, self.neighbours)
         view = None if self.model is None else StaleView.of(context, self.model.config, guesses.log_normaliser)
         reads_corrected = self.model is not None and self.model.config.corrected_feature
-        stale_masked = context.parent == context.mask_id  # [L]
-        memo: dict[bytes, torch.Tensor] = {}  # node state -> order-model logits [L] (levels that ran the model)
 
         def coupled_confidence(steps: list[int]) -> torch.Tensor:
             """Stale confidence of each position's coupled token under each node's step noise. -> float64 [B, L]"""
@@ -541,36 +532,12 @@ class SpotDrafter:
             features = view.features(states, coupled.clamp_min(0), corrected)  # [B, L, F]
             return self.model(features.to(self.model.device)).to(states.device)  # [B, L]
 
-        def inherited(state: torch.Tensor) -> torch.Tensor | None:
-            """Logits of the nearest ancestor that ran the model (found by re-masking branch commits)."""
-            branch = torch.nonzero(stale_masked & (state != context.mask_id)).flatten().tolist()
-            for position in branch:
-                ancestor = state.clone()
-                ancestor[position] = context.mask_id
-                found = memo.get(ancestor.cpu().numpy().tobytes())
-                if found is not None:
-                    return found
-            return None
-
         def order_logits(states: torch.Tensor, coupled: torch.Tensor, corrected: torch.Tensor | None) -> torch.Tensor:
-            """The order model's logits for B nodes, float64 [B, L]: run, or inherited on levels that skip it; zeros
-            without a model (the confidence prior then ranks positions alone)."""
+            """The order model's logits for B nodes, float64 [B, L]; zeros without a model (the confidence prior then
+            ranks positions alone)."""
             if self.model is None:
                 return torch.zeros(states.shape, dtype=torch.float64, device=states.device)
-            rows = [None] * states.shape[0]
-            if self.refresh_every > 1:
-                level = int((stale_masked & (states[0] != context.mask_id)).sum()) - 1  # commits after the root
-                if level % self.refresh_every:
-                    rows = [inherited(state) for state in states]
-            missing = [i for i, row in enumerate(rows) if row is None]
-            if missing:
-                read = None if corrected is None else corrected[missing]
-                fresh = model_logits(states[missing], coupled[missing], read)
-                for i, logits in zip(missing, fresh):
-                    rows[i] = logits
-                    if self.refresh_every > 1:  # only levels that skip the model read the memo
-                        memo[states[i].cpu().numpy().tobytes()] = logits
-            return torch.stack(rows).to(torch.float64)
+            return model_logits(states, coupled, corrected).to(torch.float64)
 
         def scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
             coupled = coupled_confidence(steps)  # [B, L]
@@ -583,13 +550,4 @@ class SpotDrafter:
                 logits = logits + self.confidence_prior * prior.to(logits.device).clamp_min(1e-12).log()
             return masked_log_normalise(logits, states == context.mask_id)
 
-        return grow_tree(
-            context,
-            self.budget,
-            self.depth,
-            scorer,
-            guesses,
-            alternatives=self.alternatives,
-            min_path_prob=self.min_path_prob,
-            token_survival=self.token_survival,
-        )
+        return grow_tree(context, self.budget, self.depth, scorer, guesses, token_survival=self.token_survival)

@@ -21,7 +21,6 @@ class StaleConfidenceDrafter:
 
     budget: int = 16
     depth: int = DEFAULT_DEPTH
-    alternatives: int = 1
     name: str = "stale-confidence"
 
     def propose(self, context: DraftContext) -> DraftTree:
@@ -31,7 +30,7 @@ class StaleConfidenceDrafter:
             confidence = torch.stack([guesses.at(s).confidence for s in steps]).clamp_min(1e-30)  # [B, L]
             return masked_log_normalise(confidence.log(), states == context.mask_id)
 
-        return grow_tree(context, self.budget, self.depth, scorer, guesses, alternatives=self.alternatives)
+        return grow_tree(context, self.budget, self.depth, scorer, guesses)
 
 
 def _context_seed(context: DraftContext, salt: int) -> int:

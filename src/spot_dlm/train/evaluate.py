@@ -15,9 +15,9 @@ import torch
 from tqdm import tqdm
 
 from spot_dlm.api import GenerateConfig, encode_prompt
-from spot_dlm.bench.run import is_correct
 from spot_dlm.decode import NoDrafter, StepRecord, decode_ids
 from spot_dlm.noise import NoiseKey
+from spot_dlm.tasks import is_correct
 from spot_dlm.train.losses import block_diffusion_loss
 
 WELL_FORMED = re.compile(r"####\s*-?[\d,]*\.?\d+\s*$")

@@ -1,11 +1,10 @@
 """Fast tree growth builds the very tree of the reference implementation it replaced (kept below verbatim, renamed):
-same states, parents and steps in the same node order, over random contexts, scorers, budgets, depths, token
-alternatives, path-probability floors and the sets proposer."""
+same states, parents and steps in the same node order, over random contexts, scorers, budgets, depths and the sets
+proposer."""
 
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,35 +37,20 @@ Child = tuple[float, tuple[int, ...], int]
 _ReferenceChildProposer = Callable[[torch.Tensor, list[int]], list[list[Child]]]
 
 
-def _reference_one_commit_children(
-    scorer: PositionScorer, keep: int, guesses: StaleGuesses | None = None, alternatives: int = 1
-) -> _ReferenceChildProposer:
-    """Children that each commit one position: the ``keep`` most likely positions of every node.
-
-    With ``alternatives`` > 1 each position is also tried with its runner-up coupled tokens, scored by
-    ``log q(position) + log p_stale(token)``; with 1, children carry the best guess and the position score only.
-    """
+def _reference_one_commit_children(scorer: PositionScorer, keep: int) -> _ReferenceChildProposer:
+    """Children that each commit one position: the ``keep`` most likely positions of every node, each carrying the
+    best guess and the position score."""
 
     def children(states: torch.Tensor, steps: list[int]) -> list[list[Child]]:
         scores = scorer(states, steps).cpu()  # [B, L]; ranked on the host (many tiny ops)
         rows = []
-        for row, step_index in zip(scores, steps):
+        for row in scores:
             n_children = min(int(torch.isfinite(row).sum()), keep)
             if n_children == 0:
                 rows.append([])
                 continue
             values, positions = row.topk(n_children)
-            if alternatives == 1:
-                rows.append([(v, (p,), 0) for v, p in zip(values.tolist(), positions.tolist())])
-                continue
-            token_logprob = guesses.ranked(step_index, alternatives)[1][:, positions].tolist()  # [A, n]
-            rows.append(
-                [
-                    (v + token_logprob[rank][i], (p,), rank)
-                    for i, (v, p) in enumerate(zip(values.tolist(), positions.tolist()))
-                    for rank in range(alternatives)
-                ]
-            )
+            rows.append([(v, (p,), 0) for v, p in zip(values.tolist(), positions.tolist())])
         return rows
 
     return children
@@ -88,13 +72,8 @@ def _reference_grow_tree(
     position_logprobs: PositionScorer | None = None,
     guesses: StaleGuesses | None = None,
     children: _ReferenceChildProposer | None = None,
-    alternatives: int = 1,
-    min_path_prob: float = 0.0,
 ) -> DraftTree:
     """Best-first tree under a node budget (root included) and a depth limit.
-
-    ``min_path_prob`` admits only nodes whose path probability reaches it, so a round scores fewer nodes when the
-    drafter is unsure: on hardware where every scored node costs (a CPU), a node worth less than its cost is left out.
 
     Every edge commits one position (``position_logprobs``) or a set of positions (``children``) with their stale
     coupled tokens; a node's score is its path log-probability. The proposer runs once per depth on the (at most
@@ -107,7 +86,7 @@ def _reference_grow_tree(
     """
     guesses = guesses if guesses is not None else StaleGuesses(context)
     if children is None:
-        children = _reference_one_commit_children(position_logprobs, budget - 1, guesses, alternatives)
+        children = _reference_one_commit_children(position_logprobs, budget - 1)
     device = context.root.device
     host_tokens: dict[tuple[int, int], torch.Tensor] = {}  # (step, rank) -> coupled guesses int64 [L] on the host
 
@@ -116,7 +95,6 @@ def _reference_grow_tree(
             host_tokens[(step_index, rank)] = guesses.tokens(step_index, rank).cpu()
         return host_tokens[(step_index, rank)]
 
-    min_logprob = math.log(min_path_prob) if min_path_prob > 0 else float("-inf")
     root = context.root.cpu()
     candidates = [_ReferenceCandidate(root, context.root_step, 0.0, -1, 0)]
     best_per_state: dict[bytes, float] = {}  # distinct non-root states -> best path log-probability so far
@@ -131,8 +109,6 @@ def _reference_grow_tree(
         for index, options in zip(level, proposals):
             parent = candidates[index]
             for value, positions, rank in options:
-                if parent.logprob + value < min_logprob:
-                    continue
                 tokens = tokens_on_host(parent.step, rank)
                 child = parent.state.clone()
                 where = list(positions)
@@ -292,16 +268,12 @@ def test_one_commit_trees_match_the_reference(temperature: float, budget: int) -
         context = make_context(temperature, seed, length, "one")
         for depth in DEPTHS:
             style = draw.choice(("smooth", "ties", "loose", "float32"))
-            alternatives, min_path_prob = draw.choice((1, 2)), draw.choice((0.0, 0.05))
             fast_scorer, reference_scorer = (
                 counting(position_scorer(seed, style)),
                 counting(position_scorer(seed, style)),
             )
-            options = {"alternatives": alternatives, "min_path_prob": min_path_prob}
-            fast = grow_tree(context, budget, depth, fast_scorer, StaleGuesses(context), **options)
-            reference = _reference_grow_tree(
-                context, budget, depth, reference_scorer, StaleGuesses(context), **options
-            )
+            fast = grow_tree(context, budget, depth, fast_scorer, StaleGuesses(context))
+            reference = _reference_grow_tree(context, budget, depth, reference_scorer, StaleGuesses(context))
             assert_same_tree(fast, reference)
             assert fast_scorer.calls == reference_scorer.calls  # the same admission bar: the same levels scored
 
@@ -314,14 +286,11 @@ def test_set_trees_match_the_reference(temperature: float, budget: int) -> None:
         length = draw.choice((6, 8, 16))
         context = make_context(temperature, seed, length, "threshold")
         for depth in DEPTHS:
-            min_path_prob = draw.choice((0.0, 0.05))
             fast_probs, reference_probs = counting(join_probs(seed)), counting(join_probs(seed))
             fast_children = sets_children(fast_probs, DEFAULT_CUTOFFS, budget - 1, MASK)
             reference_children = _reference_sets_children(reference_probs, DEFAULT_CUTOFFS, budget - 1, MASK)
-            fast = grow_tree(context, budget, depth, children=fast_children, min_path_prob=min_path_prob)
-            reference = _reference_grow_tree(
-                context, budget, depth, children=reference_children, min_path_prob=min_path_prob
-            )
+            fast = grow_tree(context, budget, depth, children=fast_children)
+            reference = _reference_grow_tree(context, budget, depth, children=reference_children)
             assert_same_tree(fast, reference)
             assert fast_probs.calls == reference_probs.calls
 
