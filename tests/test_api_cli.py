@@ -10,6 +10,7 @@ import torch
 
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, Generation, cut_at_eos, generate, load_target, make_drafter, runs_order_model
+from spot_dlm.cli import options as cli_options
 from spot_dlm.models.base import ScoreResult
 from spot_dlm.models.builtin import BuiltinTarget, PrefixCache
 from spot_dlm.models.checkpoint import CONFIG_FILE
@@ -266,7 +267,9 @@ def test_cli_json_token_ids_cut_before_eos(
     capsys: pytest.CaptureFixture, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_target, real_codec = load_target(checkpoint_dir)
-    monkeypatch.setattr(cli, "load_target", lambda name, **options: (EosAtTarget(real_target, position=1), real_codec))
+    monkeypatch.setattr(
+        cli_options, "load_target", lambda name, **options: (EosAtTarget(real_target, position=1), real_codec)
+    )
     code, out, err = run_cli(capsys, *generate_args(checkpoint_dir, "--prompt", PROMPT, "--json"))
     assert code == 0, err
     record = json.loads(out)
@@ -354,3 +357,10 @@ def test_cli_evaluate_target_rejects_negative_prompt_count(capsys: pytest.Captur
     code, out, err = run_cli(capsys, "evaluate-target", "--model", str(checkpoint_dir), "--n-prompts", "-1")
     assert code == 2 and out == ""
     assert "--n-prompts" in err
+
+
+def test_generate_help_fits_on_one_screen(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "-h"])
+    assert len(capsys.readouterr().out.splitlines()) <= 45
