@@ -110,7 +110,7 @@ class TrajectoryLog:
 @dataclass(frozen=True)
 class CollectConfig:
     out_dir: Path
-    n_prompts: int = 400
+    n_prompts: int = 200
     prompts_per_shard: int = 25
     temperatures: tuple[float, ...] = (0.0, 1.0)
     block_length: int | None = 32  # None: the model's own (a family checkpoint's trained block)
