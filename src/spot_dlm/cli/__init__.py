@@ -1,18 +1,18 @@
 """``spot-dlm`` command line: one small parser function per subcommand, grouped by what the subcommand does
-(``decoding``, ``benchmarks``, ``training``); the work itself lives in the library."""
+(``decoding``, ``benchmarks``, ``drafting``, ``training``); the work itself lives in the library."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from spot_dlm.cli import benchmarks, decoding, training
+from spot_dlm.cli import benchmarks, decoding, drafting, training
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spot-dlm", description="Exact speculative decoding for diffusion LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (decoding, benchmarks, training):
+    for group in (decoding, benchmarks, drafting, training):
         group.add_parsers(sub)
     return parser
 

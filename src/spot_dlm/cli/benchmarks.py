@@ -27,8 +27,11 @@ def add_parsers(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    bench = sub.add_parser("bench", help="compare methods side by side (same prompts, same noise, one process)")
+    bench = sub.add_parser(
+        "bench", help="compare methods side by side (same prompts, same noise; under torchrun, prompts split by rank)"
+    )
     bench.add_argument("--model", default=None)
+    bench.add_argument("--trust-remote-code", action="store_true", help="run a transformers folder's own code")
     bench.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
     add_device_option(bench)
     bench.add_argument(
@@ -45,7 +48,7 @@ def _add_bench(sub) -> None:
         "--task", type=csv(str), default=field_default(BenchConfig, "tasks"), help="gsm8k, gsm_symbolic, humaneval"
     )
     bench.add_argument("--n-prompts", type=int, default=field_default(BenchConfig, "n_prompts"))
-    bench.add_argument("--block-length", type=int, default=field_default(BenchConfig, "block_length"))
+    bench.add_argument("--block-length", type=int, default=None, help="default: the model's own (built-in: 32)")
     bench.add_argument("--gen-length", type=int, default=field_default(BenchConfig, "gen_length"))
     bench.add_argument("--depth", type=int, default=field_default(BenchConfig, "depth"), help="maximum draft depth")
     bench.add_argument("--seed", type=int, default=field_default(BenchConfig, "seed"))
@@ -111,6 +114,7 @@ def _add_report(sub) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from spot_dlm.bench.plots import plot_report
     from spot_dlm.bench.run import BenchConfig, format_table, reproduce_command, run_bench, write_report
+    from spot_dlm.distributed import process_group
 
     check_reports(args)
     set_threads(args.threads)
@@ -128,8 +132,12 @@ def _bench(args: argparse.Namespace) -> int:
         model=args.model,
         drafter=args.drafter,
         device=args.device,
+        trust_remote_code=args.trust_remote_code,
     )
-    report = run_bench(bench)
+    with process_group(args.device) as group:  # torchrun: each rank decodes its share, rank 0 reports
+        report = run_bench(bench)
+    if not group.is_main:
+        return 130 if report.get("interrupted") else 0
     if report.get("interrupted") and not report["results"]:
         raise KeyboardInterrupt("no row finished; nothing written")
     report["reproduce"] = reproduce_command(bench)

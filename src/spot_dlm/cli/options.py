@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 from pathlib import Path
 
 from spot_dlm.api import GenerateConfig, load_target
@@ -22,6 +23,11 @@ def field_default(config_class: type, name: str):
         if field.name == name:
             return field.default
     raise KeyError(f"{config_class.__name__} has no field {name!r}")
+
+
+def argument_default(function, name: str):
+    """The default of one keyword argument of ``function``."""
+    return inspect.signature(function).parameters[name].default
 
 
 def budget_value(text: str) -> int | None:
