@@ -4,6 +4,9 @@ from spot_dlm import GenerateConfig, generate, load_target
 target, codec = load_target()                      # the built-in model
 outs = generate(["What is 3 + 4?"], GenerateConfig(method="standard"), target, codec)
 outs[0].text, outs[0].token_ids, outs[0].stats["target_passes"]
+
+The whole public surface is here (a module longer than most, so that one file answers "how do I call it"): the
+config, the method registry and its drafter factories, loading a target, and ``generate``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ by the next block's first pass. With a target that scores hand-offs, a round may
 of the block: the pass scores the next block's all-mask state after each, and when the walk ends on one, that is
 the next block's first pass (its logits and the cache with the block written), so the next block opens without
 a pass of its own.
+
+One module, longer than most: the round (commit, draft, verify, accept) and the two block loops that run it
+(``decode_ids`` over a prefix cache, ``decode_canvas`` over a family's canvas) share their state and invariants, and
+exactness is easiest to check with them side by side.
 """
 
 from __future__ import annotations

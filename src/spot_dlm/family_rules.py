@@ -15,6 +15,9 @@ A committed mask token leaves its position masked, as in the authors' loops. Whe
 its schedule's last pass, the authors carry them into later passes or blocks; that path is not reproduced: the loop
 raises ``MaskTokenChosen`` (``decode.decode_block``). Off the true path (drafted states) a rule is total: a pass past
 the schedule commits nothing.
+
+Every family's rule is here, side by side (a module longer than most): their small differences (tempering, filters,
+dtype, schedules) are the point, and reading them together is how they are checked against the authors' loops.
 """
 
 from __future__ import annotations

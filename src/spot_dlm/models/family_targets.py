@@ -14,6 +14,9 @@ How K candidates share one pass, per attention kind:
   cache expanded to K rows.
 - LLaDA and Dream (full attention over the whole canvas, no cache): K full-canvas rows ``[prompt | finished blocks |
   candidate | future masks]``; Dream's logits shifted over the canvas.
+
+The three adapters stay in one module, longer than most, because they share the canvas plan and the hand-off
+scoring, and each is easiest to check against the others.
 """
 
 from __future__ import annotations
