@@ -32,7 +32,6 @@ from spot_dlm.api import (
     make_drafter,
     neighbour_fit,
     settings_for,
-    target_device,
 )
 from spot_dlm.bench.rows import parse_row, threshold_family
 from spot_dlm.decode import Drafter, RawGeneration
@@ -52,7 +51,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     tasks: tuple[str, ...] = ("gsm8k",)
     n_prompts: int = 50
-    block_length: int | None = 32  # None: the model's own (a family checkpoint's trained block; else 32)
+    block_length: int | None = None  # None: the model's own (a family checkpoint's trained block; else 32)
     gen_length: int = 256
     depth: int = DEFAULT_DEPTH
     seed: int = 0
@@ -303,7 +302,7 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
                 break
     report = {
         "config": asdict(bench),
-        "machine": machine_description(target_device(target)),
+        "machine": machine_description(target.device),
         "torch_threads": torch.get_num_threads(),
         "results": rows,
     }
