@@ -32,6 +32,7 @@ class EosAtTarget:
         self.inner, self.position = inner, position
         self.name, self.vocab_size, self.mask_id = inner.name, inner.vocab_size, inner.mask_id
         self.eos_id, self.max_length, self.counter = inner.eos_id, inner.max_length, inner.counter
+        self.device = inner.device
 
     def prefill(self, prompt_ids: torch.Tensor) -> PrefixCache:
         return self.inner.prefill(prompt_ids)
@@ -190,7 +191,8 @@ def test_cli_generate_json(
 def test_cli_order_model_option(capsys: pytest.CaptureFixture, checkpoint_dir: Path, tmp_path: Path) -> None:
     """--order-model small reads the drafter folder's small/ model, and says so clearly when there is none; none
     drafts without one (and needs the confidence prior)."""
-    from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, save_order_model
+    from spot_dlm.drafters.folder import save_order_model
+    from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 
     folder = tmp_path / "drafter"
     save_order_model(OrderModel(OrderModelConfig(d_model=16, n_layers=1, n_heads=2)), folder)

@@ -330,6 +330,7 @@ class EosTarget:
         self.inner = inner
         self.name, self.vocab_size, self.mask_id = inner.name, inner.vocab_size, inner.mask_id
         self.eos_id, self.max_length, self.counter = inner.eos_id, inner.max_length, inner.counter
+        self.device = inner.device
 
     def prefill(self, prompt_ids: torch.Tensor) -> PrefixCache:
         return self.inner.prefill(prompt_ids)

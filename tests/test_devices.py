@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from spot_dlm.api import GenerateConfig, generate, load_target, resolve_device, target_device
+from spot_dlm.api import GenerateConfig, generate, load_target, resolve_device
 from spot_dlm.bench.run import machine_description
 from spot_dlm.bench.verify_cost import (
     VerifyCostConfig,
@@ -45,8 +45,8 @@ def test_unknown_device_on_the_command_line(capsys) -> None:
 
 def test_target_device_follows_the_weights() -> None:
     target, _ = load_target(device="cpu")
-    assert target_device(target) == torch.device("cpu")
-    assert "decoding on the CPU" in machine_description(target_device(target))
+    assert target.device == torch.device("cpu")
+    assert "decoding on the CPU" in machine_description(target.device)
 
 
 def test_parse_shape() -> None:

@@ -48,6 +48,7 @@ class TableTarget:
     mask_id = MASK_ID
     eos_id = 0
     max_length = 64
+    device = torch.device("cpu")
 
     def __init__(self) -> None:
         self.counter = PassCounter()

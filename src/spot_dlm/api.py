@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from spot_dlm.decode import DecodeSettings, Drafter, NoDrafter, decode_ids
-from spot_dlm.drafters.order_model import DEFAULT_CONFIDENCE_PRIOR
+from spot_dlm.drafters.spot import DEFAULT_CONFIDENCE_PRIOR
 from spot_dlm.models.base import Target
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
@@ -42,7 +42,7 @@ def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
         return None
     if config.token_lm and (folder / TOKEN_LM_FIT_FILE).is_file():
         try:
-            return load_token_lm(folder, target, target_device(target))
+            return load_token_lm(folder, target, target.device)
         except ValueError as err:
             if config.drafter:
                 raise
@@ -77,7 +77,7 @@ def order_model_folder(config: GenerateConfig, target: Target, folder: Path) -> 
         if not has_small:
             raise ValueError(f"no small order model in {folder} (expected {small}/drafter_config.json)")
         return small
-    if config.order_model == "auto" and has_small and target_device(target).type == "cpu":
+    if config.order_model == "auto" and has_small and target.device.type == "cpu":
         return small
     return folder
 
@@ -92,11 +92,13 @@ def runs_order_model(config: GenerateConfig, target: Target, corrected: bool) ->
     if config.order_model == "none":
         return False
     one_node = config.budget <= 2 and config.confidence_prior > 0 and corrected
-    return not (config.order_model == "auto" and one_node and target_device(target).type == "cpu")
+    return not (config.order_model == "auto" and one_node and target.device.type == "cpu")
 
 
 def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
-    from spot_dlm.drafters.order_model import SpotDrafter, freeze_order_model, load_order_model
+    from spot_dlm.drafters.folder import load_order_model
+    from spot_dlm.drafters.order_net import freeze_order_model
+    from spot_dlm.drafters.spot import SpotDrafter
     from spot_dlm.drafters.token_survival import load_token_survival
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir()
@@ -107,9 +109,7 @@ def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
         neighbours, survival = fit[0], (fit[1] if config.token_survival else None)
     model = None  # the confidence prior ranks positions alone
     if runs_order_model(config, target, neighbours is not None):
-        model = freeze_order_model(
-            load_order_model(order_model_folder(config, target, folder)).to(target_device(target))
-        )
+        model = freeze_order_model(load_order_model(order_model_folder(config, target, folder)).to(target.device))
     return SpotDrafter(
         model,
         budget=config.budget,
@@ -143,11 +143,12 @@ def _calibrated_drafter(config: GenerateConfig, target: Target) -> Drafter:
 
 
 def _sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
-    from spot_dlm.drafters.order_model import freeze_order_model, load_order_model
+    from spot_dlm.drafters.folder import load_order_model
+    from spot_dlm.drafters.order_net import freeze_order_model
     from spot_dlm.drafters.sets import SetsDrafter
 
     folder = Path(config.drafter) if config.drafter else default_drafter_dir().parent / "sets_drafter"
-    model = freeze_order_model(load_order_model(folder).to(target_device(target)))
+    model = freeze_order_model(load_order_model(folder).to(target.device))
     fit = neighbour_fit(config, target, folder if config.drafter else default_drafter_dir())
     neighbours = None if fit is None else fit[0]
     return SetsDrafter(model, budget=config.budget, depth=config.depth, neighbours=neighbours)
@@ -191,11 +192,6 @@ METHODS: dict[str, Method] = {
 def is_speculative(method: str) -> bool:
     """Whether a method drafts (and so has a budget)."""
     return method in METHODS and METHODS[method].drafter is not None
-
-
-def target_device(target: Target) -> torch.device:
-    """Where a target's weights live (drafters run beside them); targets without a device run on the CPU."""
-    return getattr(target, "device", torch.device("cpu"))
 
 
 def resolve_device(name: str | torch.device = "cpu") -> torch.device:

@@ -56,6 +56,7 @@ class Target(Protocol):
     eos_id: int
     max_length: int  # prompt + generation must fit
     counter: PassCounter
+    device: torch.device  # where its weights live (drafters run beside them)
 
     def prefill(self, prompt_ids: torch.Tensor) -> Any:
         """prompt_ids int64 [P] -> prefix cache."""
@@ -66,6 +67,20 @@ class Target(Protocol):
 
     def write(self, cache: Any, finished: torch.Tensor) -> Any:
         """Append a finished block (int64 [L]) to the prefix cache in its own pass."""
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """Text <-> token ids for a target: its tokenizer, and the prompt template questions are wrapped in."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids) -> str: ...
+
+    def encode_prompt(self, question: str) -> list[int]:
+        """A question in the model's prompt template (chat template for instruct checkpoints)."""
 
 
 def scores_handoffs(target: Target) -> bool:
