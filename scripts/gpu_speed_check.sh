@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One prepared GPU session (about 9 minutes): exactness on CUDA, the verification-cost curve of the built-in target
+# One prepared GPU run (about 9 minutes): exactness on CUDA, the verification-cost curve of the built-in target
 # and of larger random targets, then standard vs SPOT throughput on as many held-out GSM8K prompts as the time left
 # allows. Runs from the repository root with the machine's own python3 (torch with CUDA); installs nothing.
 # Results land in $OUT (default gpu_out/): log.txt, verify_cost_builtin.json, verify_cost_large.json, bench_gpu.json.
-#   bash scripts/gpu_session.sh            # TOTAL_SECONDS=540 by default
-#   DEVICE=cpu LARGE_SHAPES=d64-l2-h4-v512 TOTAL_SECONDS=200 MAX_PROMPTS=3 bash scripts/gpu_session.sh  # dry run
+#   bash scripts/gpu_speed_check.sh            # TOTAL_SECONDS=540 by default
+#   DEVICE=cpu LARGE_SHAPES=d64-l2-h4-v512 TOTAL_SECONDS=200 MAX_PROMPTS=3 bash scripts/gpu_speed_check.sh  # dry run
 set -u
 OUT=${OUT:-gpu_out}
 TOTAL_SECONDS=${TOTAL_SECONDS:-540}
