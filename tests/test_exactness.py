@@ -33,11 +33,12 @@ from spot_dlm.decode import (
     RawGeneration,
     decode_ids,
 )
-from spot_dlm.drafters.base import StaleGuesses
+from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens
-from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 from spot_dlm.drafters.sets import SetsDrafter, StaleSetsDrafter
 from spot_dlm.drafters.simple import OracleDrafter, RandomDrafter, StaleConfidenceDrafter, true_states
+from spot_dlm.drafters.spot import SpotDrafter
 from spot_dlm.drafters.token_lm import TokenLM
 from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival
 from spot_dlm.models.builtin import BuiltinTarget
@@ -375,8 +376,8 @@ def collect_and_train(steps: int = 40) -> tuple[OrderModel, float, float]:
 def test_features_at_decode_time_equal_the_features_trained_on(temperature: float) -> None:
     """No train/serve skew: the order model's input for a round's root node, built from the live DraftContext,
     equals the depth-1 training example of the stale state's logged row (float16 in shards: atol 1e-3)."""
-    from spot_dlm.drafters.base import StaleGuesses
-    from spot_dlm.drafters.order_model import StaleView
+    from spot_dlm.drafters.guesses import StaleGuesses
+    from spot_dlm.drafters.order_features import StaleView
     from spot_dlm.train.collect import TrajectoryLog
     from spot_dlm.train.drafter import Examples, batch_tensors
 
@@ -730,7 +731,7 @@ def test_exactness_sweep(rule_name, scoring, trained):
 # ---------------------------------------------------------------------------------------------- edge settings
 
 EDGE_RULES = (
-    CommitRule("topk", 1.0, k=2),
+    CommitRule("dynamic", 1.0, k=2, tau=1.0),  # nothing above tau: the two most confident
     CommitRule("one", 0.7, confidence="margin"),
     CommitRule("one", 1.0, confidence="neg_entropy"),
     CommitRule("one", 1.5, confidence="tempered"),
@@ -774,7 +775,7 @@ def test_random_drafter_token_noise_rate_at_t0():
 
     (Exactness does not depend on it; the drafter's acceptance rate, as a baseline, does.)"""
     from spot_dlm.decode import DraftContext
-    from spot_dlm.drafters.base import StaleGuesses
+    from spot_dlm.drafters.guesses import StaleGuesses
 
     case = make_case(1, vocab=40, block_length=8)
     target = target_for(case, "batched")

@@ -61,10 +61,10 @@ def test_confidence_tie_breaks_to_lowest_masked_position() -> None:
     logits = t([[[9.0, 0.0, 0.0, 0.0], same, [0.0, 1.0, 0.0, 0.0], same]])
     result = step(tokens, logits, None, CommitRule(), MASK)
     assert result.committed[0].tolist() == [False, True, False, False]
-    # tie between the two most confident of three with topk(2): the two lowest tied positions win
+    # tie between the two most confident of three, two to commit: the two lowest tied positions win
     tokens = masked_block(3)[None]
     logits = t([[same, same, same]])
-    result = step(tokens, logits, None, CommitRule(kind="topk", k=2), MASK)
+    result = step(tokens, logits, None, CommitRule(kind="dynamic", k=2, tau=1.0), MASK)
     assert result.committed[0].tolist() == [True, True, False]
 
 
@@ -105,7 +105,7 @@ def test_all_masked_commits_exactly_one_with_one_rule() -> None:
 def test_row_without_masks_is_unchanged() -> None:
     tokens = torch.tensor([[0, 1, 3], [MASK, MASK, 0]])
     logits = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    for rule in (CommitRule(), CommitRule(kind="threshold", tau=0.0), CommitRule(kind="topk", k=3)):
+    for rule in (CommitRule(), CommitRule(kind="threshold", tau=0.0), CommitRule(kind="dynamic", k=3, tau=1.0)):
         result = step(tokens, logits, None, rule, MASK)
         assert not result.committed[0].any()
         assert result.tokens[0].tolist() == [0, 1, 3]
@@ -205,12 +205,12 @@ def test_dynamic_rule_is_strict_at_tau() -> None:
     assert result.committed[0].tolist() == [True, True, True]
 
 
-def test_topk_rule() -> None:
+def test_dynamic_rule_without_confident_positions_commits_the_k_most_confident() -> None:
     tokens, logits = confidences_of([0.6, 0.95, 0.7, 0.85])
     tokens[0, 1] = 0  # position 1 is already filled: it cannot be committed again
-    result = step(tokens, logits, None, CommitRule(kind="topk", k=2), MASK)
+    result = step(tokens, logits, None, CommitRule(kind="dynamic", k=2, tau=1.0), MASK)
     assert result.committed[0].tolist() == [False, False, True, True]
-    result = step(tokens, logits, None, CommitRule(kind="topk", k=5), MASK)
+    result = step(tokens, logits, None, CommitRule(kind="dynamic", k=5, tau=1.0), MASK)
     assert result.committed[0].tolist() == [True, False, True, True]
 
 
@@ -283,7 +283,7 @@ def test_neg_entropy_prefers_the_peaked_position() -> None:
         ({"kind": "greedy"}, "unknown commit rule"),
         ({"confidence": "entropy"}, "unknown confidence"),
         ({"k": 0}, "k"),
-        ({"kind": "topk", "k": -1}, "k"),
+        ({"kind": "dynamic", "k": -1}, "k"),
         ({"kind": "threshold", "tau": 1.5}, "tau"),
         ({"kind": "dynamic", "tau": -0.1}, "tau"),
     ],
@@ -321,7 +321,7 @@ def test_step_does_not_modify_its_inputs(dtype: torch.dtype) -> None:
 RULES = [
     CommitRule(),
     CommitRule(temperature=1.0),
-    CommitRule(kind="topk", k=2, temperature=0.5),
+    CommitRule(kind="dynamic", k=2, tau=1.0, temperature=0.5),  # nothing above tau: the two most confident
     CommitRule(kind="threshold", tau=0.5),
     CommitRule(kind="threshold", tau=0.3, temperature=1.5, confidence="margin"),
     CommitRule(kind="dynamic", tau=0.4, k=2, confidence="tempered", temperature=0.7),
@@ -358,7 +358,7 @@ def test_property_commits_only_masked_positions_and_at_least_one() -> None:
             assert torch.equal(counts >= 1, masked.any(-1)), (seed, rule)
             if rule.kind == "one":
                 assert torch.equal(counts, masked.any(-1).long())
-            if rule.kind == "topk":
+            if rule.kind == "dynamic" and rule.tau == 1.0:
                 assert torch.equal(counts, masked.sum(-1).clamp(max=rule.k))
 
 
@@ -396,7 +396,7 @@ def test_select_positions_directly() -> None:
     inf = float("-inf")
     conf = t([[0.2, inf, 0.9, 0.9], [inf, inf, inf, inf]])
     assert select_positions(conf, CommitRule()).tolist() == [[False, False, True, False], [False] * 4]
-    assert select_positions(conf, CommitRule(kind="topk", k=3)).tolist() == [
+    assert select_positions(conf, CommitRule(kind="dynamic", k=3, tau=1.0)).tolist() == [
         [True, False, True, True],
         [False] * 4,
     ]

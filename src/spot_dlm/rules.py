@@ -13,9 +13,8 @@ from typing import Literal
 
 import torch
 
-RuleKind = Literal["one", "topk", "threshold", "dynamic"]
 ConfidenceKind = Literal["prob", "tempered", "margin", "neg_entropy"]
-RULE_KINDS: tuple[str, ...] = ("one", "topk", "threshold", "dynamic")
+RULE_KINDS: tuple[str, ...] = ("one", "threshold", "dynamic")
 CONFIDENCE_KINDS: tuple[str, ...] = ("prob", "tempered", "margin", "neg_entropy")
 
 
@@ -23,10 +22,10 @@ CONFIDENCE_KINDS: tuple[str, ...] = ("prob", "tempered", "margin", "neg_entropy"
 class CommitRule:
     """Which positions a pass commits and how tokens are chosen.
 
-    kind: ``one`` commits the most confident masked position (standard exact decoding); ``topk`` the ``k`` most
-        confident; ``threshold`` (Fast-dLLM) the most confident plus every position with confidence >= ``tau``;
-        ``dynamic`` (SDAR ``low_confidence_dynamic``) every position with confidence > ``tau`` when there are at
-        least ``k`` of them, else the ``k`` most confident.
+    kind: ``one`` commits the most confident masked position (standard exact decoding); ``threshold`` (Fast-dLLM)
+        the most confident plus every position with confidence >= ``tau``; ``dynamic`` (SDAR
+        ``low_confidence_dynamic``) every position with confidence > ``tau`` when there are at least ``k`` of them,
+        else the ``k`` most confident.
     temperature: 0 is argmax; > 0 is Gumbel-max sampling of ``softmax(logits / temperature)``.
     confidence: ``prob`` = p(token) under softmax(logits); ``tempered`` = p(token) under softmax(logits / T);
         ``margin`` = p1 - p2; ``neg_entropy`` = -H(softmax(logits)).
@@ -117,8 +116,6 @@ def _commit_counts(confidence: torch.Tensor, n_masked: torch.Tensor, rule: Commi
     """How many of the most confident masked positions each row commits. -> int64 [K]"""
     if rule.kind == "one":
         wanted = torch.ones_like(n_masked)
-    elif rule.kind == "topk":
-        wanted = torch.full_like(n_masked, rule.k)
     elif rule.kind == "threshold":
         wanted = (confidence >= rule.tau).sum(-1).clamp(min=1)
     else:  # dynamic
