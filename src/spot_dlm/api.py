@@ -375,21 +375,23 @@ def load_target(
 ):
     """``None`` or ``"builtin"``: the shipped model; a folder of the built-in architecture; or a ``transformers``
     checkpoint folder (config.json with a ``model_type``; see ``models/hf.py``), which always scores packed;
-    ``hf_options`` go to ``load_hf_target`` (shifted_logits, mask_id, trust_remote_code). ``device``: cpu, cuda,
-    cuda:N or auto; drafters made for the target run on the same device."""
+    ``hf_options`` go to ``load_hf_target`` (shifted_logits, mask_id, trust_remote_code, family; device_map, e.g.
+    "auto": accelerate spreads the layers over the GPUs in place of ``device``). ``device``: cpu, cuda, cuda:N or
+    auto; drafters made for the target run on the same device (a placed target's first layer's)."""
     from spot_dlm.models.builtin import builtin_dir, load_builtin_target
     from spot_dlm.models.hf import is_hf_checkpoint
 
     device = resolve_device(device)
-    if name is None or str(name) == "builtin":
-        return load_builtin_target(builtin_dir(), scoring=scoring, dtype=dtype, device=device)
-    path = Path(name)
+    builtin = name is None or str(name) == "builtin"
+    path = builtin_dir() if builtin else Path(name)
     if not path.exists():
         raise ValueError(f"unknown model {str(name)!r}: not 'builtin' and no checkpoint folder at {path}")
     if not path.is_dir():
         raise ValueError(f"--model {path} is a file; give the checkpoint's folder")
     if is_hf_checkpoint(path):
         return load_transformers_target(path, dtype, device, dict(hf_options or {}))
+    if (hf_options or {}).get("device_map") is not None:
+        raise ValueError("a device map places the layers of a transformers checkpoint; this model is not one")
     return load_builtin_target(path, scoring=scoring, dtype=dtype, device=device)
 
 
@@ -411,7 +413,8 @@ def load_transformers_target(path: Path, dtype: torch.dtype, device: torch.devic
     given = [f"--{key.replace('_', '-')}" for key in ("shifted_logits", "mask_id") if options.get(key)]
     if given:
         raise ValueError(f"{' and '.join(given)} are for generic models; a {family.title} checkpoint names its own")
-    return load_family_target(path, family, config, dtype, device, bool(options.get("trust_remote_code")))
+    trusted = bool(options.get("trust_remote_code"))
+    return load_family_target(path, family, config, dtype, device, trusted, options.get("device_map"))
 
 
 def with_budget(config: GenerateConfig, target: Target) -> GenerateConfig:

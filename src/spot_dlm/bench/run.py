@@ -60,6 +60,7 @@ class BenchConfig:
     drafter: str | None = None
     device: str = "cpu"
     trust_remote_code: bool = False  # transformers models: run the folder's own modeling code
+    device_map: str | None = None  # transformers models: accelerate's placement over GPUs (e.g. "auto")
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -271,7 +272,7 @@ def run_bench(bench: BenchConfig, target=None, codec=None, progress: bool = True
 
     group = current_group()
     if target is None:
-        hf_options = {"trust_remote_code": bench.trust_remote_code}
+        hf_options = {"trust_remote_code": bench.trust_remote_code, "device_map": bench.device_map}
         target, codec = load_target(bench.model, hf_options=hf_options, device=local_device(bench.device))
     rows, interrupted = [], False
     for task in bench.tasks:
@@ -473,6 +474,8 @@ def reproduce_command(bench: BenchConfig) -> str:
         parts.append(f"--model {shlex.quote(str(bench.model))}")
     if bench.trust_remote_code:
         parts.append("--trust-remote-code")
+    if bench.device_map is not None:
+        parts.append(f"--device-map {shlex.quote(bench.device_map)}")
     if bench.drafter is not None:
         parts.append(f"--drafter {shlex.quote(str(bench.drafter))}")
     if bench.device != "cpu":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from spot_dlm.bench.run import BenchConfig
 from spot_dlm.cli.options import (
+    add_device_map_option,
     add_device_option,
     add_force_option,
     add_threads_option,
@@ -34,6 +35,7 @@ def _add_bench(sub) -> None:
     bench.add_argument("--trust-remote-code", action="store_true", help="run a transformers folder's own code")
     bench.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
     add_device_option(bench)
+    add_device_map_option(bench)
     bench.add_argument(
         "--methods",
         type=csv(str),
@@ -133,6 +135,7 @@ def _bench(args: argparse.Namespace) -> int:
         drafter=args.drafter,
         device=args.device,
         trust_remote_code=args.trust_remote_code,
+        device_map=args.device_map,
     )
     with process_group(args.device) as group:  # torchrun: each rank decodes its share, rank 0 reports
         report = run_bench(bench)

@@ -18,6 +18,7 @@ from spot_dlm.api import (
 from spot_dlm.cli.options import (
     BUDGET_HELP,
     add_decoding_options,
+    add_device_map_option,
     add_device_option,
     add_model_options,
     budget_value,
@@ -49,6 +50,8 @@ def _add_demo(sub) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from spot_dlm.demo import run_demo
 
+    if args.device_map is not None:
+        raise ValueError("demo loads its model on one --device; --device-map is for generate, bench, collect")
     run_demo(
         args.model,
         args.methods.split(","),
@@ -167,6 +170,7 @@ def _add_check_model(sub) -> None:
     check.add_argument("--budget", type=int, default=8, help="SPOT's draft nodes per pass")
     check.add_argument("--json", default=None, help="also write the report to this file")
     add_device_option(check)
+    add_device_map_option(check)
     check.set_defaults(func=_check_model)
 
 
@@ -187,7 +191,7 @@ def _check_model(args: argparse.Namespace) -> int:
 
     if args.json is not None and Path(args.json).is_dir():
         raise ValueError(f"--json {args.json} is a folder; give a file name")
-    options = {"trust_remote_code": args.trust_remote_code, "family": args.family}
+    options = {"trust_remote_code": args.trust_remote_code, "family": args.family, "device_map": args.device_map}
     dtype = getattr(torch, args.dtype)
     report = check_model(args.folder, args.device, dtype, args.n_prompts, args.gen_length, args.budget, options)
     print(format_report(report))

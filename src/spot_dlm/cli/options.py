@@ -71,6 +71,16 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shifted-logits", action="store_true", help="generic models predicting token j at j - 1")
     parser.add_argument("--mask-id", type=int, default=None, help="generic models: the mask token id")
     add_device_option(parser)
+    add_device_map_option(parser)
+
+
+def add_device_map_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device-map",
+        default=None,
+        help="transformers models larger than one GPU: accelerate's placement, e.g. auto (in place of --device; "
+        "needs pip install accelerate)",
+    )
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -99,14 +109,17 @@ def set_threads(threads: int) -> None:
 
 
 def load_model(args: argparse.Namespace):
-    """(target, codec) for the model options of ``add_model_options``."""
+    """(target, codec) for the model options of ``add_model_options`` (under torchrun: on this rank's GPU)."""
+    from spot_dlm.distributed import local_device
+
     hf_options = {
         "shifted_logits": args.shifted_logits,
         "mask_id": args.mask_id,
         "trust_remote_code": args.trust_remote_code,
         "family": args.family,
+        "device_map": args.device_map,
     }
-    return load_target(args.model, hf_options=hf_options, device=args.device)
+    return load_target(args.model, hf_options=hf_options, device=local_device(args.device))
 
 
 def checkpoint_folder(name: str | None, option: str = "--init") -> Path | None:
