@@ -27,7 +27,8 @@ from spot_dlm.bench.run import (
 )
 from spot_dlm.cli import build_parser, main
 from spot_dlm.drafters.calibrated import save_rank_counts
-from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, save_order_model
+from spot_dlm.drafters.folder import save_order_model
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.tasks import extract_answer, is_correct, task_items
 

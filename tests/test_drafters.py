@@ -15,26 +15,15 @@ import pytest
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import (
-    StaleGuesses,
-    grow_tree,
-    largest_values,
-    masked_log_normalise,
-    stale_log_normaliser,
-)
 from spot_dlm.drafters.calibrated import load_rank_counts, rank_path_counts, save_rank_counts, select_rank_paths
-from spot_dlm.drafters.order_model import (
-    OrderModel,
-    OrderModelConfig,
-    SpotDrafter,
-    freeze_order_model,
-    load_order_model,
-    one_host_thread,
-    order_features,
-    save_order_model,
-    stale_top_probs,
-)
+from spot_dlm.drafters.children import masked_log_normalise
+from spot_dlm.drafters.folder import load_order_model, save_order_model
+from spot_dlm.drafters.growth import grow_tree
+from spot_dlm.drafters.guesses import StaleGuesses, stale_log_normaliser
+from spot_dlm.drafters.order_features import largest_values, order_features, stale_top_probs
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig, freeze_order_model, one_host_thread
 from spot_dlm.drafters.simple import CalibratedDrafter, ChainDrafter, ranked_allowed
+from spot_dlm.drafters.spot import SpotDrafter
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
@@ -167,12 +156,12 @@ def test_grow_tree_is_best_first(temperature: float, seed: int, budget: int, dep
 @pytest.mark.parametrize(("budget", "depth"), [(3, 6), (4, 8), (8, 8), (16, 5)])
 def test_admission_bar_prunes_calls_not_the_tree(monkeypatch, temperature, seed, budget, depth) -> None:
     """Growth that stops below the admission bar yields the tree of unpruned growth, with no more scorer rows."""
-    import spot_dlm.drafters.base as base
+    import spot_dlm.drafters.growth as growth
 
     context = make_context(temperature, seed=seed)
     pruned_scorer, full_scorer = state_scorer(seed), state_scorer(seed)
     pruned = grow_tree(context, budget, depth, pruned_scorer)
-    monkeypatch.setattr(base, "_admission_bar", lambda best_per_state, top, keep: (float("-inf"), top))
+    monkeypatch.setattr(growth, "_admission_bar", lambda best_per_state, top, keep: (float("-inf"), top))
     full = grow_tree(context, budget, depth, full_scorer)
     assert torch.equal(pruned.states, full.states)
     assert pruned.parents == full.parents

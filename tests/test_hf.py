@@ -264,7 +264,8 @@ def test_cli_fit_bigram_counts_over_the_models_vocabulary(hf_folder: Path, tmp_p
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_spot_with_neighbour_tokens_equals_standard_on_a_transformers_target(temperature: float) -> None:
     from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens
-    from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter
+    from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
+    from spot_dlm.drafters.spot import SpotDrafter
 
     target = HFTarget(stand_in("qwen3", seed=3), MASK_ID, EOS_ID, shifted_logits=True)
     settings = DecodeSettings(CommitRule(temperature=temperature), block_length=6, gen_length=18, stop_at_eos=False)

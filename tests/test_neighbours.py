@@ -12,7 +12,7 @@ import torch
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, generate, load_target, make_drafter
 from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
-from spot_dlm.drafters.base import StaleGuesses
+from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.neighbours import (
     BIGRAM_FILE,
     NEIGHBOUR_FIT_FILE,
@@ -24,8 +24,8 @@ from spot_dlm.drafters.neighbours import (
     save_bigram,
     save_neighbour_fit,
 )
-from spot_dlm.drafters.order_model import SpotDrafter
 from spot_dlm.drafters.sets import SetsDrafter
+from spot_dlm.drafters.spot import SpotDrafter
 from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival, load_token_survival
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule

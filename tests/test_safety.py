@@ -14,7 +14,9 @@ import torch
 
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, generate, load_target
-from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig, SpotDrafter, load_order_model
+from spot_dlm.drafters.folder import load_order_model
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
+from spot_dlm.drafters.spot import SpotDrafter
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, load_model, load_training_state
 from spot_dlm.models.tokenizer import TextCodec, train_tokenizer

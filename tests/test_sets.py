@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from spot_dlm.decode import DecodeSettings, DraftContext, NoDrafter, decode_ids
-from spot_dlm.drafters.base import StaleGuesses
-from spot_dlm.drafters.order_model import OrderModel, OrderModelConfig
+from spot_dlm.drafters.guesses import StaleGuesses
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 from spot_dlm.drafters.sets import DEFAULT_CUTOFFS, SetsDrafter, StaleSetsDrafter, candidate_sets
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.noise import NoiseKey

@@ -11,7 +11,9 @@ import torch
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, make_drafter
 from spot_dlm.decode import DecodeSettings, DraftContext, NoDrafter, decode_ids
-from spot_dlm.drafters.base import StaleGuesses, grow_tree, one_commit_children
+from spot_dlm.drafters.children import one_commit_children
+from spot_dlm.drafters.growth import grow_tree
+from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.token_survival import (
     SURVIVAL_FILE,
     SURVIVAL_RANKS,

@@ -14,13 +14,9 @@ import pytest
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import (
-    PositionScorer,
-    StaleGuesses,
-    _best_first,
-    grow_tree,
-    masked_log_normalise,
-)
+from spot_dlm.drafters.children import PositionScorer, masked_log_normalise
+from spot_dlm.drafters.growth import _best_first, grow_tree
+from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.sets import DEFAULT_CUTOFFS, candidate_sets, sets_children
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule

@@ -92,7 +92,7 @@ def check_generate_config(config) -> None:
     """What ``GenerateConfig`` cannot see by its own fields: the seed's range (the noise key's 64 bits), the draft
     budget against the block (memory), and a drafter folder given by the user against the method (its model kind,
     and the small order model or token LM asked for)."""
-    from spot_dlm.drafters.order_model import check_drafter_folder
+    from spot_dlm.drafters.folder import check_drafter_folder
     from spot_dlm.noise import check_seed
 
     check_seed(config.seed)

@@ -80,7 +80,7 @@ def _add_collect(sub) -> None:
 
 
 def _add_train_drafter(sub) -> None:
-    from spot_dlm.drafters.order_model import OrderModelConfig
+    from spot_dlm.drafters.order_net import OrderModelConfig
     from spot_dlm.train.drafter import train_drafter
 
     tdr = sub.add_parser("train-drafter", help="train SPOT's order model on logged trajectories")

@@ -17,9 +17,12 @@ import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext
-from spot_dlm.drafters.base import ChildProposer, Children, StaleGuesses, grow_tree, step_groups
+from spot_dlm.drafters.children import ChildProposer, Children
+from spot_dlm.drafters.growth import grow_tree
+from spot_dlm.drafters.guesses import StaleGuesses, step_groups
 from spot_dlm.drafters.neighbours import NeighbourTokens
-from spot_dlm.drafters.order_model import FrozenOrderModel, OrderModel, StaleView
+from spot_dlm.drafters.order_features import StaleView
+from spot_dlm.drafters.order_net import FrozenOrderModel, OrderModel
 from spot_dlm.tree import DEFAULT_DEPTH, DraftTree
 
 DEFAULT_CUTOFFS = (0.9, 0.7, 0.5, 0.3, 0.15)

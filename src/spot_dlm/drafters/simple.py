@@ -10,7 +10,9 @@ import numpy as np
 import torch
 
 from spot_dlm.decode import DraftContext, RawGeneration
-from spot_dlm.drafters.base import StaleGuesses, grow_tree, masked_log_normalise
+from spot_dlm.drafters.children import masked_log_normalise
+from spot_dlm.drafters.growth import grow_tree
+from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.neighbours import NeighbourTokens
 from spot_dlm.tree import DEFAULT_DEPTH, DraftTree, TreeBuilder
 

@@ -22,9 +22,9 @@ from tqdm import tqdm
 from spot_dlm.api import GenerateConfig, encode_prompt, settings_for
 from spot_dlm.decode import DraftContext, NoDrafter, StepRecord, decode_ids
 from spot_dlm.distributed import Group, current_group, from_main, gather_outcomes
-from spot_dlm.drafters.base import StaleGuesses
+from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.neighbours import NeighbourTokens
-from spot_dlm.drafters.order_model import stale_top_probs
+from spot_dlm.drafters.order_features import stale_top_probs
 from spot_dlm.noise import BlockNoise, NoiseKey
 from spot_dlm.safety import check_writable_parent, write_text_atomic
 

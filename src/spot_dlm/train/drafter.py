@@ -19,19 +19,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from spot_dlm.drafters.neighbours import BIGRAM_FILE, NEIGHBOUR_FIT_FILE
-from spot_dlm.drafters.order_model import (
+from spot_dlm.drafters.folder import (
     DRAFTER_CONFIG_FILE,
     DRAFTER_WEIGHTS_FILE,
-    N_FLAG_FEATURES,
-    OrderModel,
-    OrderModelConfig,
     check_drafter_kind,
     load_order_model,
-    order_features,
     read_drafter_config,
     save_order_model,
 )
+from spot_dlm.drafters.neighbours import BIGRAM_FILE, NEIGHBOUR_FIT_FILE
+from spot_dlm.drafters.order_features import N_FLAG_FEATURES, order_features
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE
 from spot_dlm.drafters.token_survival import SURVIVAL_FILE
 from spot_dlm.safety import check_minutes
