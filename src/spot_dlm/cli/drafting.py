@@ -69,7 +69,11 @@ def _add_collect(sub) -> None:
     col.add_argument("--seed", type=int, default=default("seed"))
     col.add_argument("--threads", type=int, default=1)
     col.add_argument(
-        "--worker", type=worker_value, default=(0, 1), metavar="I/N", help="write shard I of every N (processes)"
+        "--worker",
+        type=worker_value,
+        default=(0, 1),
+        metavar="I/N",
+        help="write shard I of every N (processes or machines; under torchrun the ranks share each shard)",
     )
     col.add_argument(
         "--neighbours",
@@ -178,6 +182,7 @@ def _make_drafter(args: argparse.Namespace) -> int:
 
 
 def _collect(args: argparse.Namespace) -> int:
+    from spot_dlm.distributed import process_group
     from spot_dlm.train.collect import CollectConfig, collect
 
     set_threads(args.threads)
@@ -195,9 +200,16 @@ def _collect(args: argparse.Namespace) -> int:
         workers=args.worker[1],
         neighbours=None if args.neighbours is None else str(drafter_folder(args.neighbours)),
     )
-    target, codec = load_model(args)
-    shards = collect(target, codec, config)
-    print(f"{len(shards)} shards in {args.out}")
+    with process_group(args.device) as group:  # torchrun: each rank decodes its share, rank 0 writes the shards
+        target, codec = load_model(args)
+        try:
+            shards = collect(target, codec, config)
+        except KeyboardInterrupt:
+            if group.is_main:
+                raise
+            return 130
+    if group.is_main:
+        print(f"{len(shards)} shards in {args.out}")
     return 0
 
 
