@@ -104,9 +104,11 @@ def report_markdown(path: Path, report: dict) -> str:
     for row in report["results"]:
         share = row["draft_seconds"] / row["wall_seconds"] if row.get("wall_seconds") else 0.0
         accuracy = "-" if row.get("accuracy") is None else f"{row['accuracy']:.2f}"
+        # a row that records what drafted it (a drafter folder other than the shipped one) is described by that
+        drafter = row.get("drafter") or drafter_description(row["method"], row["budget"], device)
         lines.append(
             f"| {row['task']} | {row['temperature']:g} | {row['method']} | {row['budget'] or '-'} | "
-            f"{drafter_description(row['method'], row['budget'], device)} | {row['target_passes']} | "
+            f"{drafter} | {row['target_passes']} | "
             f"{row['passes_ratio_vs_standard']:.2f} | {row['tokens_per_second']:.1f} | "
             f"{row['throughput_ratio_vs_standard']:.2f} | {share:.0%} | {row['exact_match_vs_standard']:.2f} | "
             f"{accuracy} |"
