@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from spot_dlm.cli import main
-from spot_dlm.distributed import Group, gather_outcomes, interleave, launched_group, local_device, process_group
+from spot_dlm.distributed import (
+    Group,
+    check_rank_device,
+    gather_outcomes,
+    interleave,
+    launched_group,
+    local_device,
+    process_group,
+)
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.train.collect import PromptLog, TrajectoryLog, collect_shard, logged_config, merge_prompt_logs
 
@@ -48,6 +56,15 @@ def test_interleave_stops_at_the_first_prompt_a_rank_left_unfinished() -> None:
     assert interleave([[0, 2, 4], [1]]) == [0, 1, 2]
     assert interleave([[0], [1, 3, 5]]) == [0, 1]
     assert interleave([[], [1]]) == []
+
+
+def test_each_rank_owns_the_gpu_of_its_local_rank() -> None:
+    check_rank_device(torch.device("cuda:1"), Group(1, 2, 1))
+    check_rank_device(torch.device("cuda"), Group(1, 2, 1))
+    check_rank_device(torch.device("cpu"), Group(1, 2, 1))
+    check_rank_device(torch.device("cuda:1"), Group())  # one process: any GPU
+    with pytest.raises(ValueError, match="--device cuda"):
+        check_rank_device(torch.device("cuda:1"), Group(0, 2, 0))
 
 
 def test_a_single_process_has_no_process_group(monkeypatch) -> None:

@@ -83,6 +83,15 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def check_rank_device(device: torch.device, group: Group) -> None:
+    """Under torchrun each rank owns one GPU, ``cuda:LOCAL_RANK``: a ``cuda:N`` naming another (every rank on one
+    GPU, which nccl refuses) is a ValueError."""
+    if device.type == "cuda" and group.world > 1 and device.index not in (None, group.local_rank):
+        raise ValueError(
+            f"under torchrun give --device cuda (rank {group.rank} decodes on cuda:{group.local_rank}), not {device}"
+        )
+
+
 @contextmanager
 def process_group(device: str | torch.device = "cpu") -> Iterator[Group]:
     """Join torchrun's process group for the block (gloo on the CPU, nccl on CUDA) and leave it after; a single
@@ -97,6 +106,7 @@ def process_group(device: str | torch.device = "cpu") -> Iterator[Group]:
         yield launched or Group()
         return
     device = local_device(device)
+    check_rank_device(device, launched)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), timeout=GATHER_TIMEOUT)
