@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random float64 target, a small trained tokenizer and a checkpoint folder built from them."""
+"""Shared fixtures: a tiny random float64 target, a small trained tokenizer and a checkpoint folder built from them;
+for the drafter tests a saved order model and collected trajectory shards."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from spot_dlm.drafters.folder import save_order_model
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
 from spot_dlm.models.tokenizer import TextCodec, train_tokenizer
 from spot_dlm.models.transformer import BlockDiffusionLM, ModelConfig
+from spot_dlm.train.collect import CollectConfig
+from trajectories import neighbour_fit_folder, run_collect
 
 torch.set_num_threads(1)
 
@@ -117,3 +122,43 @@ def remote_code_cache(tmp_path_factory):
         patch.syspath_prepend(str(cache))
         yield
     forget_remote_modules()
+
+
+# ------------------------------------------------------------------ drafters: a saved order model, collected shards
+# (collected once per session: the collect and train tests read the same shards)
+
+
+@pytest.fixture
+def saved_order_model(tmp_path: Path) -> tuple[OrderModel, Path]:
+    """A random order model of a small shape and the drafter folder it was saved to (with metrics)."""
+    torch.manual_seed(1)
+    config = OrderModelConfig(d_model=32, n_layers=2, n_heads=4, max_block_length=16)
+    model = OrderModel(config).eval()
+    folder = tmp_path / "drafter"
+    save_order_model(model, folder, metrics={"note": "random"})
+    return model, folder
+
+
+@pytest.fixture(scope="session")
+def collect_target(tiny_codec, model_factory) -> BuiltinTarget:
+    """A tiny random target whose vocabulary matches the conftest tokenizer, with room for GSM8K prompts."""
+    model = model_factory(vocab_size=tiny_codec.vocab_size, seed=3, dtype=torch.float32, max_seq_len=512)
+    return BuiltinTarget(model)
+
+
+@pytest.fixture(scope="session")
+def standard_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[CollectConfig, list[Path]]:
+    return run_collect(collect_target, tiny_codec, tmp_path_factory.mktemp("traj") / "standard")
+
+
+@pytest.fixture(scope="session")
+def threshold_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[CollectConfig, list[Path]]:
+    out = tmp_path_factory.mktemp("traj") / "threshold"
+    return run_collect(collect_target, tiny_codec, out, method="threshold", taus=(0.1,))
+
+
+@pytest.fixture(scope="session")
+def corrected_shards(tmp_path_factory, collect_target, tiny_codec) -> tuple[CollectConfig, list[Path]]:
+    base = tmp_path_factory.mktemp("traj")
+    folder = neighbour_fit_folder(collect_target.vocab_size, base / "fit")
+    return run_collect(collect_target, tiny_codec, base / "corrected", neighbours=str(folder))

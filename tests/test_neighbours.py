@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from draft_contexts import MASK, ROOT_COMMIT, V, make_context
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, generate, load_target, make_drafter
 from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
@@ -30,7 +31,6 @@ from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival, load
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.train.token_survival import SurvivalObservations, fit_neighbour_survival, fit_neighbour_weight
-from test_drafters import MASK, ROOT_COMMIT, V, make_context
 from test_exactness import random_order_model
 
 torch.set_num_threads(1)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from draft_contexts import MASK, L, make_context, state_scorer
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, make_drafter
 from spot_dlm.decode import DecodeSettings, DraftContext, NoDrafter, decode_ids
@@ -28,7 +29,6 @@ from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.noise import BlockNoise, NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.train.token_survival import SurvivalObservations, fit_token_survival
-from test_drafters import MASK, L, make_context, state_scorer
 
 torch.set_num_threads(1)
 
