@@ -38,8 +38,9 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def test_launched_group_reads_torchrun_variables() -> None:
     assert launched_group({}) is None
     assert launched_group({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}) == Group(1, 2, 1)
+    assert launched_group({"RANK": "0"}) is None  # set for another reason: not torchrun's
     with pytest.raises(ValueError, match="whole numbers"):
-        launched_group({"RANK": "0", "WORLD_SIZE": "2"})
+        launched_group({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"})
     with pytest.raises(ValueError, match="out of range"):
         launched_group({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
 

@@ -44,13 +44,14 @@ class Group:
 
 
 def launched_group(environ: Mapping[str, str] = os.environ) -> Group | None:
-    """The group torchrun describes in ``environ`` (None when not launched by it); a malformed one is a ValueError."""
+    """The group torchrun describes in ``environ`` (None when not launched by it: the three variables are not all
+    set); a malformed one is a ValueError."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    if not any(name in environ for name in names):
+    if not all(name in environ for name in names):
         return None
     try:
         rank, world, local_rank = (int(environ[name]) for name in names)
-    except (KeyError, ValueError):
+    except ValueError:
         raise ValueError(f"torchrun variables {', '.join(names)} must all be whole numbers") from None
     if world < 1 or not 0 <= rank < world or local_rank < 0:
         raise ValueError(f"torchrun variables out of range: RANK {rank}, WORLD_SIZE {world}, LOCAL_RANK {local_rank}")
@@ -99,7 +100,7 @@ def process_group(device: str | torch.device = "cpu") -> Iterator[Group]:
     import torch.distributed as dist
 
     launched = launched_group()
-    if dist.is_initialized():  # joined already (by the caller)
+    if dist.is_available() and dist.is_initialized():  # joined already (by the caller)
         yield current_group()
         return
     if launched is None or launched.world == 1:
