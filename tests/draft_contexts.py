@@ -1,6 +1,6 @@
 """Hand-made draft contexts and position scorers shared by the drafter tests: one block of L = 8 positions
 over V = 12 tokens (mask token 2) whose root has its last position committed, random stale logits, and checks
-of one-commit trees."""
+of one-commit trees; a small random order model."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import torch
 from spot_dlm.decode import DraftContext
 from spot_dlm.drafters.children import masked_log_normalise
 from spot_dlm.drafters.guesses import StaleGuesses
+from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule
 from spot_dlm.tree import DraftTree
 
 MASK, L, V = 2, 8, 12
 ROOT_COMMIT = 7  # the free commit of the root fills the last position
+ORDER_TOP_K = 8  # the order models read the top-8 stale probabilities, so they work for any vocabulary >= 8
 
 
 def make_context(temperature: float = 0.0, seed: int = 0, root_step: int = 1, kind: str = "one") -> DraftContext:
@@ -72,3 +74,8 @@ def order_scorer(states: torch.Tensor, steps: list[int]) -> torch.Tensor:
     """Strongly prefers committing the lowest masked position first: 0, 1, 2, ..."""
     scores = -20.0 * torch.arange(L, dtype=torch.float64).expand(states.shape[0], -1)
     return masked_log_normalise(scores, states == MASK)
+
+
+def random_order_model(seed: int = 0) -> OrderModel:
+    torch.manual_seed(seed)
+    return OrderModel(OrderModelConfig(top_k=ORDER_TOP_K, d_model=32, n_layers=1, n_heads=2)).eval()

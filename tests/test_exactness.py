@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import spot_dlm.decode as decode_module
+from draft_contexts import ORDER_TOP_K, random_order_model
 from spot_dlm.decode import (
     ROUND_ENDINGS,
     DecodeSettings,
@@ -63,7 +64,6 @@ THRESHOLD_RULES = {
     "dynamic-0.5-k2": {"kind": "dynamic", "tau": 0.5, "k": 2},
 }
 MASK_ID, EOS_ID = 2, 1
-ORDER_TOP_K = 8  # the order models read the top-8 stale probabilities, so they work for any vocabulary >= 8
 
 # Weight surgery on a fresh model: (qkv scale, attention-output scale, MLP-output scale, final-norm scale, EOS boost).
 # "flat" is the plain initialisation (logits ~ 0.1: near-uniform). The others let attention over the context
@@ -167,11 +167,6 @@ def reference(case: Case, rule: CommitRule, scoring: str) -> RawGeneration:
         target = target_for(case, scoring)
         _REFERENCES[cache_key] = decode_ids(target, case.prompt(), case.settings(rule), NoDrafter(), case.key)
     return _REFERENCES[cache_key]
-
-
-def random_order_model(seed: int = 0) -> OrderModel:
-    torch.manual_seed(seed)
-    return OrderModel(OrderModelConfig(top_k=ORDER_TOP_K, d_model=32, n_layers=1, n_heads=2)).eval()
 
 
 @functools.cache

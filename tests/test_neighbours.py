@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from draft_contexts import MASK, ROOT_COMMIT, V, make_context
+from draft_contexts import MASK, ROOT_COMMIT, V, make_context, random_order_model
+from neighbour_fits import SURVIVAL, copy_order_model, observations_at_weight_zero_are_the_stale_ranks
 from spot_dlm import cli
-from spot_dlm.api import GenerateConfig, default_drafter_dir, generate, load_target, make_drafter
-from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
+from spot_dlm.api import GenerateConfig, generate, load_target, make_drafter
 from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.neighbours import (
     BIGRAM_FILE,
@@ -27,15 +27,10 @@ from spot_dlm.drafters.neighbours import (
 )
 from spot_dlm.drafters.sets import SetsDrafter
 from spot_dlm.drafters.spot import SpotDrafter
-from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival, load_token_survival
-from spot_dlm.noise import NoiseKey
-from spot_dlm.rules import CommitRule
+from spot_dlm.drafters.token_survival import load_token_survival
 from spot_dlm.train.token_survival import SurvivalObservations, fit_neighbour_survival, fit_neighbour_weight
-from test_exactness import random_order_model
 
 torch.set_num_threads(1)
-
-SURVIVAL = TokenSurvival(greedy=(SurvivalBucket(0.5, 0.05),), sampled=(SurvivalBucket(2.0, 0.2),))
 
 
 def random_stream(vocab: int, n: int, seed: int) -> np.ndarray:
@@ -198,22 +193,6 @@ def test_sets_trees_commit_each_members_corrected_token(temperature: float) -> N
     assert differ > 0
 
 
-def observations_at_weight_zero_are_the_stale_ranks(target, corrector) -> SurvivalObservations:
-    """Standard decoding observed with a corrector: at weight 0 its corrected ranks are the stale ranks."""
-    settings = DecodeSettings(CommitRule("one", temperature=1.0), block_length=8, gen_length=24, stop_at_eos=False)
-    observations = SurvivalObservations(temperature=1.0, mask_id=target.mask_id, max_staleness=2, corrector=corrector)
-    for request in range(2):
-        key = NoiseKey(0, request)
-        prompt = torch.tensor([5 + request, 6, 7], dtype=torch.int64)
-        decode_ids(target, prompt, settings, NoDrafter(), key, observations.observer(key))
-    for staleness in (1, 2):
-        scores, rank = observations.arrays(staleness)
-        corrected, corrected_rank = observations.neighbour_arrays(0.0, staleness)
-        assert np.allclose(corrected, scores)
-        assert np.array_equal(corrected_rank, np.minimum(rank, observations.ranks))
-    return observations
-
-
 def test_neighbour_observations_at_weight_zero_are_the_stale_ranks(make_target) -> None:
     target = make_target()
     table = BigramTable.from_stream(random_stream(target.vocab_size, 2000, 4), target.vocab_size)
@@ -244,12 +223,6 @@ def test_weight_fit_uses_a_helpful_correction_and_ignores_a_harmful_one() -> Non
     assert len(survival.greedy) == 1
     _, rank = helpful.neighbour_arrays(1.0, 1)
     assert bool((rank == 0).all())
-
-
-def copy_order_model(folder: Path) -> None:
-    folder.mkdir()
-    for name in ("drafter.safetensors", "drafter_config.json", "token_survival.json"):
-        (folder / name).write_bytes((default_drafter_dir() / name).read_bytes())
 
 
 @pytest.mark.parametrize("enabled", [True, False])

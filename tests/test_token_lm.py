@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from neighbour_fits import SURVIVAL, copy_order_model, observations_at_weight_zero_are_the_stale_ranks
 from spot_dlm import cli
 from spot_dlm.api import GenerateConfig, default_drafter_dir, load_target, make_drafter
 from spot_dlm.bench.rows import parse_row
@@ -18,7 +19,6 @@ from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens, StalePass
 from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE, TokenLM, load_token_lm, save_token_lm_fit
 from spot_dlm.models.builtin import BuiltinTarget
 from spot_dlm.models.checkpoint import TOKENIZER_FILE, save_checkpoint
-from test_neighbours import SURVIVAL, copy_order_model, observations_at_weight_zero_are_the_stale_ranks
 
 torch.set_num_threads(1)
 L = 8
