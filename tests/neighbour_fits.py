@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spot_dlm.api import default_drafter_dir
 from spot_dlm.decode import DecodeSettings, NoDrafter, decode_ids
+from spot_dlm.drafters.folder import default_drafter_dir
 from spot_dlm.drafters.token_survival import SurvivalBucket, TokenSurvival
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CommitRule

@@ -31,7 +31,8 @@ def test_order_model_size_picks_the_folder_or_its_small_one(make_target, tmp_pat
     for a target on the CPU when there is one, the paper's size on a GPU."""
     from types import SimpleNamespace
 
-    from spot_dlm.api import GenerateConfig, make_drafter, order_model_folder
+    from spot_dlm.api import GenerateConfig, make_drafter, uses_small_order_model
+    from spot_dlm.drafters.folder import DrafterFolder
 
     def order_model(method: str = "spot", **options) -> OrderModelConfig:
         config = GenerateConfig(method=method, drafter=str(tmp_path / "drafter"), **options)
@@ -46,9 +47,10 @@ def test_order_model_size_picks_the_folder_or_its_small_one(make_target, tmp_pat
     assert order_model(order_model="small") == order_model(order_model="auto") == small
     assert order_model(order_model="paper") == paper
     on_gpu = SimpleNamespace(device=torch.device("cuda"))
-    folder = tmp_path / "drafter"
-    assert order_model_folder(GenerateConfig(method="spot"), on_gpu, folder) == folder
-    assert order_model_folder(GenerateConfig(method="spot", order_model="small"), on_gpu, folder) == folder / "small"
+    folder = DrafterFolder.for_method(tmp_path / "drafter", "spot", on_gpu.device)
+    assert not uses_small_order_model(GenerateConfig(method="spot"), on_gpu, folder)
+    assert uses_small_order_model(GenerateConfig(method="spot", order_model="small"), on_gpu, folder)
+    assert folder.small == tmp_path / "drafter" / "small"
     with pytest.raises(ValueError, match="unknown order model"):
         GenerateConfig(method="spot", order_model="huge")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from spot_dlm import cli
-from spot_dlm.api import GenerateConfig, default_drafter_dir, generate, load_target
-from spot_dlm.drafters.folder import load_order_model
+from spot_dlm.api import GenerateConfig, generate, load_target
+from spot_dlm.drafters.folder import default_drafter_dir, load_order_model
 from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
 from spot_dlm.drafters.spot import SpotDrafter
 from spot_dlm.models.builtin import BuiltinTarget

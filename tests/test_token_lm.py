@@ -12,9 +12,10 @@ import torch
 
 from neighbour_fits import SURVIVAL, copy_order_model, observations_at_weight_zero_are_the_stale_ranks
 from spot_dlm import cli
-from spot_dlm.api import GenerateConfig, default_drafter_dir, load_target, make_drafter
+from spot_dlm.api import GenerateConfig, load_target, make_drafter
 from spot_dlm.bench.rows import parse_row
 from spot_dlm.drafters import token_lm
+from spot_dlm.drafters.folder import default_drafter_dir
 from spot_dlm.drafters.neighbours import BigramTable, NeighbourTokens, StalePass, save_bigram, weighted_correction
 from spot_dlm.drafters.token_lm import TOKEN_LM_DIR, TOKEN_LM_FIT_FILE, TokenLM, load_token_lm, save_token_lm_fit
 from spot_dlm.models.builtin import BuiltinTarget

@@ -10,9 +10,10 @@ import torch
 
 from draft_contexts import MASK, L, make_context, state_scorer
 from spot_dlm import cli
-from spot_dlm.api import GenerateConfig, default_drafter_dir, make_drafter
+from spot_dlm.api import GenerateConfig, make_drafter
 from spot_dlm.decode import DecodeSettings, DraftContext, NoDrafter, decode_ids
 from spot_dlm.drafters.children import one_commit_children
+from spot_dlm.drafters.folder import default_drafter_dir
 from spot_dlm.drafters.growth import grow_tree
 from spot_dlm.drafters.guesses import StaleGuesses
 from spot_dlm.drafters.token_survival import (

@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from spot_dlm.decode import DecodeSettings, Drafter, NoDrafter, decode_ids
+from spot_dlm.drafters.folder import DrafterFolder
 from spot_dlm.drafters.spot import DEFAULT_CONFIDENCE_PRIOR
 from spot_dlm.models.base import Target
 from spot_dlm.noise import NoiseKey
@@ -27,7 +28,7 @@ from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
 from spot_dlm.tree import DEFAULT_DEPTH
 
 
-def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
+def neighbour_fit(config: GenerateConfig, target: Target, folder: DrafterFolder):
     """The token correction and its survival fit from a drafter folder, or None (turned off, or no fit there): the
     folder's small LM (``token_lm/``, see ``drafters/token_lm.py``) when ``token_lm`` and it has one, else its
     bigram (``drafters/neighbours.py``). The LM is opt-in: it saves passes in deep trees, but on a CPU its passes
@@ -40,18 +41,18 @@ def neighbour_fit(config: GenerateConfig, target: Target, folder: Path):
 
     if not config.neighbour_tokens:
         return None
-    if config.token_lm and (folder / TOKEN_LM_FIT_FILE).is_file():
+    if config.token_lm and (folder.fits / TOKEN_LM_FIT_FILE).is_file():
         try:
-            return load_token_lm(folder, target, target.device)
+            return load_token_lm(folder.fits, target, folder.device)
         except ValueError as err:
-            if config.drafter:
+            if folder.given:
                 raise
             warnings.warn(f"{err}: re-ranking drafted tokens by the bigram instead", stacklevel=3)
-    fit = load_neighbour_fit(folder)
+    fit = load_neighbour_fit(folder.fits)
     if fit is None or fit[0].table.vocab_size == target.vocab_size:
         return fit
-    message = f"the bigram table in {folder} was counted over {fit[0].table.vocab_size} tokens; the target has "
-    if config.drafter:
+    message = f"the bigram table in {folder.fits} was counted over {fit[0].table.vocab_size} tokens; the target has "
+    if folder.given:
         raise ValueError(f"{message}{target.vocab_size}")
     hint = "drafting plain stale tokens (spot-dlm fit-bigram makes one for it)"
     warnings.warn(f"{message}{target.vocab_size}: {hint}", stacklevel=3)
@@ -62,24 +63,19 @@ ORDER_MODEL_SIZES = ("auto", "paper", "small", "none")
 NUMERICS = ("authors", "project")
 DEFAULT_BLOCK_LENGTH = 32
 FAST_DLLM_V2_SUB_BLOCK = 8
-SMALL_ORDER_MODEL = "small"  # the sub-folder of a drafter folder that holds its smaller order model, if any
 
 
-def order_model_folder(config: GenerateConfig, target: Target, folder: Path) -> Path:
-    """Where SPOT's order model lives: the drafter folder itself (the paper's size) or its ``small/`` sub-folder.
+def uses_small_order_model(config: GenerateConfig, target: Target, folder: DrafterFolder) -> bool:
+    """Whether SPOT's order model is the folder's ``small/`` one rather than the folder's own (the paper's size).
 
     ``auto`` takes the small one for a target on the CPU when the folder has one: there the order model's compute
     is a visible share of each round next to a small target, while on a GPU both sizes cost about one launch
     sequence and the larger one predicts better."""
-    small = folder / SMALL_ORDER_MODEL
-    has_small = (small / "drafter_config.json").is_file()
-    if config.order_model == "small":
-        if not has_small:
-            raise ValueError(f"no small order model in {folder} (expected {small}/drafter_config.json)")
-        return small
-    if config.order_model == "auto" and has_small and target.device.type == "cpu":
-        return small
-    return folder
+    has_small = folder.has_small_order_model()
+    if config.order_model == "small" and not has_small:
+        raise ValueError(f"no small order model in {folder.path} (expected {folder.small}/drafter_config.json)")
+    auto_small = config.order_model == "auto" and target.device.type == "cpu"
+    return has_small and (config.order_model == "small" or auto_small)
 
 
 def runs_order_model(config: GenerateConfig, target: Target, corrected: bool) -> bool:
@@ -96,20 +92,17 @@ def runs_order_model(config: GenerateConfig, target: Target, corrected: bool) ->
 
 
 def _spot_drafter(config: GenerateConfig, target: Target) -> Drafter:
-    from spot_dlm.drafters.folder import load_order_model
-    from spot_dlm.drafters.order_net import freeze_order_model
     from spot_dlm.drafters.spot import SpotDrafter
-    from spot_dlm.drafters.token_survival import load_token_survival
 
-    folder = Path(config.drafter) if config.drafter else default_drafter_dir()
-    survival = load_token_survival(folder) if config.token_survival else None
+    folder = DrafterFolder.for_method(config.drafter, config.method, target.device)
+    survival = folder.token_survival() if config.token_survival else None
     fit = neighbour_fit(config, target, folder)
     neighbours = None
     if fit is not None:  # the corrected guesses come with the survival fitted on them
         neighbours, survival = fit[0], (fit[1] if config.token_survival else None)
     model = None  # the confidence prior ranks positions alone
     if runs_order_model(config, target, neighbours is not None):
-        model = freeze_order_model(load_order_model(order_model_folder(config, target, folder)).to(target.device))
+        model = folder.order_model(small=uses_small_order_model(config, target, folder))
     return SpotDrafter(
         model,
         budget=config.budget,
@@ -134,24 +127,19 @@ def _chain_drafter(config: GenerateConfig, target: Target) -> Drafter:
 
 
 def _calibrated_drafter(config: GenerateConfig, target: Target) -> Drafter:
-    from spot_dlm.drafters.calibrated import load_rank_counts, select_rank_paths
     from spot_dlm.drafters.simple import CalibratedDrafter
 
-    folder = Path(config.drafter) if config.drafter else default_drafter_dir()
-    paths = select_rank_paths(load_rank_counts(folder / "calibration.json"), config.budget)
-    return CalibratedDrafter(tuple(p for p in paths if len(p) <= config.depth), budget=config.budget)
+    folder = DrafterFolder.for_method(config.drafter, config.method, target.device)
+    return CalibratedDrafter(folder.rank_paths(config.budget, config.depth), budget=config.budget)
 
 
 def _sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
-    from spot_dlm.drafters.folder import load_order_model
-    from spot_dlm.drafters.order_net import freeze_order_model
     from spot_dlm.drafters.sets import SetsDrafter
 
-    folder = Path(config.drafter) if config.drafter else default_drafter_dir().parent / "sets_drafter"
-    model = freeze_order_model(load_order_model(folder).to(target.device))
-    fit = neighbour_fit(config, target, folder if config.drafter else default_drafter_dir())
+    folder = DrafterFolder.for_method(config.drafter, config.method, target.device)
+    fit = neighbour_fit(config, target, folder)
     neighbours = None if fit is None else fit[0]
-    return SetsDrafter(model, budget=config.budget, depth=config.depth, neighbours=neighbours)
+    return SetsDrafter(folder.order_model(), budget=config.budget, depth=config.depth, neighbours=neighbours)
 
 
 def _stale_sets_drafter(config: GenerateConfig, target: Target) -> Drafter:
@@ -211,12 +199,6 @@ def resolve_device(name: str | torch.device = "cpu") -> torch.device:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device {str(name)!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
     return device
-
-
-def default_drafter_dir() -> Path:
-    from spot_dlm.models.builtin import builtin_dir
-
-    return builtin_dir() / "drafter"
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 from spot_dlm.api import (
     GenerateConfig,
-    default_drafter_dir,
     is_speculative,
-    order_model_folder,
     runs_order_model,
+    uses_small_order_model,
 )
+from spot_dlm.drafters.folder import DRAFTER_WEIGHTS_FILE, DrafterFolder
 
 TABLE_HEADER = (
     "| task | T | method | budget | drafter | passes | passes x | tok/s | tok/s x | draft share | exact | accuracy |"
@@ -59,19 +59,20 @@ def drafter_description(method: str, budget: int | None, device: str) -> str:
         return "-"
     if base in TRAINING_FREE or base == "stale-sets":
         return TRAINING_FREE.get(base, "none (stale confidence sets)")
-    folder = default_drafter_dir()
     if base == "calibrated":
         return "rank-path table"
-    if base.startswith("spot-sets"):
-        return f"sets model {_size(folder.parent / 'sets_drafter' / 'drafter.safetensors')}"
-    config = GenerateConfig(method=base, budget=budget, **options)
     target = SimpleNamespace(device=SimpleNamespace(type="cuda" if device.startswith("cuda") else "cpu"))
+    folder = DrafterFolder.for_method(None, base, target.device)
+    if base.startswith("spot-sets"):
+        return f"sets model {_size(folder.path / DRAFTER_WEIGHTS_FILE)}"
+    config = GenerateConfig(method=base, budget=budget, **options)
     if runs_order_model(config, target, corrected=config.neighbour_tokens):
-        parts = [f"order model {_size(order_model_folder(config, target, folder) / 'drafter.safetensors')}"]
+        small = uses_small_order_model(config, target, folder)
+        parts = [f"order model {_size((folder.small if small else folder.path) / DRAFTER_WEIGHTS_FILE)}"]
     else:
         parts = ["stale confidence (no order model)"]
     if config.token_lm:
-        parts.append(f"token LM {_size(folder / 'token_lm' / 'model.safetensors')}")
+        parts.append(f"token LM {_size(folder.fits / 'token_lm' / 'model.safetensors')}")
     return " + ".join(parts)
 
 

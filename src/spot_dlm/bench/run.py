@@ -26,7 +26,6 @@ from tqdm import tqdm
 from spot_dlm.api import (
     GenerateConfig,
     Generation,
-    default_drafter_dir,
     encode_prompt,
     generate,
     make_drafter,
@@ -36,6 +35,7 @@ from spot_dlm.api import (
 from spot_dlm.bench.rows import parse_row, threshold_family
 from spot_dlm.decode import Drafter, RawGeneration
 from spot_dlm.distributed import Group, current_group, gather_outcomes, interleave, local_device
+from spot_dlm.drafters.folder import DrafterFolder
 from spot_dlm.drafters.simple import OracleDrafter
 from spot_dlm.safety import write_text_atomic
 from spot_dlm.tasks import TASKS, is_correct, task_items
@@ -194,7 +194,7 @@ def setting_config(method: str, budget: int | None, temperature: float, tau: flo
 
 def order_oracle_neighbours(config: GenerateConfig, target):
     """The neighbour correction SPOT would use with this config (None: off, or no fit in the drafter folder)."""
-    fit = neighbour_fit(config, target, Path(config.drafter) if config.drafter else default_drafter_dir())
+    fit = neighbour_fit(config, target, DrafterFolder.for_method(config.drafter, "spot", target.device))
     return None if fit is None else fit[0]
 
 

@@ -106,7 +106,7 @@ def run_transfer(
     what it was trained on and, given ``shards`` (the target's trajectories), its held-out next-commit accuracy."""
     from dataclasses import replace
 
-    from spot_dlm.api import default_drafter_dir
+    from spot_dlm.drafters.folder import default_drafter_dir
 
     builtin = str(default_drafter_dir())
     folders = {name: builtin if folder == "builtin" else str(folder) for name, folder in drafters.items()}

@@ -140,7 +140,7 @@ def drafter_folder(name: str | None) -> Path | None:
     """'builtin' -> the shipped drafter folder; a path as given; None stays None."""
     if name != "builtin":
         return None if name is None else Path(name)
-    from spot_dlm.api import default_drafter_dir
+    from spot_dlm.drafters.folder import default_drafter_dir
 
     return default_drafter_dir()
 

@@ -1,4 +1,5 @@
-"""A drafter folder on disk: the order model's weights, config and metrics, saved, read, loaded and checked.
+"""A drafter folder on disk: where each part a drafter reads lives (``DrafterFolder``), and the order model's
+weights, config and metrics, saved, read, loaded and checked.
 
 ``save_order_model`` writes each file whole (a temporary name renamed into place); ``load_order_model`` refuses
 weights that disagree with the config; ``check_drafter_folder`` checks what a method will read from a folder the
@@ -9,16 +10,78 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from spot_dlm.drafters.order_net import OrderModel, OrderModelConfig
+import torch
+
+from spot_dlm.drafters.order_net import FrozenOrderModel, OrderModel, OrderModelConfig
 from spot_dlm.models.checkpoint import check_state_dict, load_weights
 
 DRAFTER_WEIGHTS_FILE = "drafter.safetensors"
 DRAFTER_CONFIG_FILE = "drafter_config.json"
 DRAFTER_METRICS_FILE = "drafter_metrics.json"
 SETS_METHODS = ("spot-sets", "spot-sets-dynamic")  # methods whose drafter folder holds a sets model (tau input)
+SMALL_ORDER_MODEL = "small"  # the sub-folder of a drafter folder that holds its smaller order model, if any
+CALIBRATION_FILE = "calibration.json"  # the calibrated drafter's rank-path counts
+SHIPPED_SETS_FOLDER = "sets_drafter"  # beside the shipped drafter folder: the shipped SPOT-Sets model
+
+
+def default_drafter_dir() -> Path:
+    """The drafter folder shipped with the built-in target."""
+    from spot_dlm.models.builtin import builtin_dir
+
+    return builtin_dir() / "drafter"
+
+
+@dataclass(frozen=True)
+class DrafterFolder:
+    """Where a drafter's parts live, and each part loaded for one device: paths and a device in, parts out.
+
+    ``path`` holds the order model (or the sets model) and the calibrated drafter's rank paths; ``fits`` the token
+    fits (token survival, bigram, neighbour fit, token LM): the same folder, except for the shipped sets model, which
+    reads the shipped SPOT folder's fits. ``given``: named by the user, so a part that does not fit the target is an
+    error (the shipped parts are left out with a warning instead)."""
+
+    path: Path
+    fits: Path
+    device: torch.device = torch.device("cpu")
+    given: bool = True
+
+    @classmethod
+    def for_method(cls, drafter: str | Path | None, method: str, device: torch.device) -> DrafterFolder:
+        """The folder a method reads: ``drafter`` as given, else the shipped one for the method."""
+        if drafter is not None:
+            return cls(Path(drafter), Path(drafter), device, given=True)
+        shipped = default_drafter_dir()
+        path = shipped.parent / SHIPPED_SETS_FOLDER if method in SETS_METHODS else shipped
+        return cls(path, shipped, device, given=False)
+
+    @property
+    def small(self) -> Path:
+        return self.path / SMALL_ORDER_MODEL
+
+    def has_small_order_model(self) -> bool:
+        return (self.small / DRAFTER_CONFIG_FILE).is_file()
+
+    def order_model(self, small: bool = False) -> FrozenOrderModel:
+        """The order model (or sets model), on the folder's device, frozen for drafting."""
+        from spot_dlm.drafters.order_net import freeze_order_model
+
+        return freeze_order_model(load_order_model(self.small if small else self.path).to(self.device))
+
+    def token_survival(self):
+        """The stale guesses' survival fit (``drafters/token_survival.py``), or None without one."""
+        from spot_dlm.drafters.token_survival import load_token_survival
+
+        return load_token_survival(self.fits)
+
+    def rank_paths(self, budget: int, depth: int) -> tuple[tuple[int, ...], ...]:
+        """The calibrated drafter's rank paths for a budget, up to ``depth`` long."""
+        from spot_dlm.drafters.calibrated import load_rank_counts, select_rank_paths
+
+        paths = select_rank_paths(load_rank_counts(self.path / CALIBRATION_FILE), budget)
+        return tuple(p for p in paths if len(p) <= depth)
 
 
 def save_order_model(model: OrderModel, folder: Path, metrics: dict | None = None) -> None:
@@ -82,12 +145,13 @@ def check_drafter_folder(method: str, folder: str | Path | None, order_model: st
     if method == "calibrated":
         return
     sets = method in SETS_METHODS
-    for place in (folder, folder / "small"):
+    for place in (folder, folder / SMALL_ORDER_MODEL):
         config = read_drafter_config(place)
         if config is not None:
             check_drafter_kind(config, sets, place)
-    if order_model == "small" and not (folder / "small" / DRAFTER_CONFIG_FILE).is_file():
-        raise ValueError(f"no small order model in {folder} (expected {folder / 'small' / DRAFTER_CONFIG_FILE})")
+    if order_model == "small" and not DrafterFolder(folder, folder).has_small_order_model():
+        small = folder / SMALL_ORDER_MODEL / DRAFTER_CONFIG_FILE
+        raise ValueError(f"no small order model in {folder} (expected {small})")
     if token_lm and not (folder / TOKEN_LM_FIT_FILE).is_file():
         raise ValueError(
             f"--token-lm: {folder} has no token LM ({TOKEN_LM_FIT_FILE}; spot-dlm fit-token-survival --token-lm "
