@@ -25,11 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from spot_dlm.bench.run import BenchConfig, run_bench
+from spot_dlm.drafters.neighbours import BIGRAM_FILE
+from spot_dlm.drafters.token_survival import SURVIVAL_FILE
 
 ACCURACY_DEPTH = 8  # the depth make-drafter and collect log by default
 ROW_PARTS = {  # a row's drafter switches -> the drafter folder's fitted part it runs (besides the order model)
-    "token_survival": ("token survival", "token_survival.json"),
-    "neighbour_tokens": ("bigram neighbour tokens", "bigram.safetensors"),
+    "token_survival": ("token survival", SURVIVAL_FILE),
+    "neighbour_tokens": ("bigram neighbour tokens", BIGRAM_FILE),
 }
 
 
