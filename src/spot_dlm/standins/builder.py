@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +39,8 @@ class Family:
     """One family's folder layout: remote-code files, config, generation config and tokenizer."""
 
     template: str  # package under spot_dlm.standins.templates
-    files: tuple[str, ...]  # copied into the folder
+    files: tuple[str, ...]  # the family's own files, copied into the folder
+    shared: tuple[str, ...]  # files of spot_dlm.standins.templates the family's files import, copied beside them
     model_class: str  # "module.Class" of the class the weights belong to
     lm_head: str  # state-dict name of the output projection
     mask_id: int
@@ -140,12 +140,14 @@ def _fast_dllm_v2_config(sizes: Sizes) -> dict:
     }
 
 
+QWEN_SHARED = ("layers.py",)
 _QWEN_ROLES = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
 
 SPECS: dict[str, Family] = {
     "sdar": Family(
         template="sdar",
         files=("configuration_sdar.py", "modeling_sdar.py"),
+        shared=QWEN_SHARED,
         model_class="modeling_sdar.SDARForCausalLM",
         lm_head="lm_head.weight",
         mask_id=151669,
@@ -161,6 +163,7 @@ SPECS: dict[str, Family] = {
     "llada": Family(
         template="llada",
         files=("configuration_llada.py", "modeling_llada.py"),
+        shared=("layers.py",),
         model_class="modeling_llada.LLaDAModelLM",
         lm_head="model.transformer.ff_out.weight",
         mask_id=126336,
@@ -188,6 +191,7 @@ SPECS: dict[str, Family] = {
     "dream": Family(
         template="dream",
         files=("configuration_dream.py", "modeling_dream.py"),
+        shared=QWEN_SHARED,
         model_class="modeling_dream.DreamModel",
         lm_head="lm_head.weight",
         mask_id=151666,
@@ -203,6 +207,7 @@ SPECS: dict[str, Family] = {
     "fast_dllm_v2": Family(
         template="fast_dllm_v2",
         files=("configuration.py", "modeling.py"),
+        shared=QWEN_SHARED,
         model_class="modeling.Fast_dLLM_QwenForCausalLM",
         lm_head="lm_head.weight",
         mask_id=151665,
@@ -232,15 +237,24 @@ def check_sizes(sizes: Sizes) -> None:
         raise ValueError("the head size (hidden_size / num_heads) must be even for rotary positions")
 
 
-def template_class(family: Family, qualified: str):
-    """The class ``module.Class`` from the family's template package."""
-    module, name = qualified.rsplit(".", 1)
-    return getattr(importlib.import_module(f"{__package__}.templates.{family.template}.{module}"), name)
+def write_remote_code(family: Family, folder: Path) -> None:
+    """Copy the family's configuration and modeling files, and the shared files they import, into ``folder``."""
+    templates = resources.files(f"{__package__}.templates")
+    for name in family.files:
+        (folder / name).write_bytes((templates / family.template / name).read_bytes())
+    for name in family.shared:
+        (folder / name).write_bytes((templates / name).read_bytes())
 
 
-def meta_model(family: Family, config: dict) -> torch.nn.Module:
-    """The family's model built on the meta device (parameter names and shapes, no storage)."""
-    model_class = template_class(family, family.model_class)
+def meta_model(family: Family, folder: Path, config: dict) -> torch.nn.Module:
+    """The family's model built on the meta device (parameter names and shapes, no storage).
+
+    The class comes from the remote code written into ``folder``, imported by transformers as a checkpoint's remote
+    code is (its relative imports copied beside it in transformers' module cache).
+    """
+    from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+    model_class = get_class_from_dynamic_module(family.model_class, folder, local_files_only=True)
     with torch.device("meta"):
         return model_class(model_class.config_class.from_dict(config))
 
@@ -276,9 +290,10 @@ def build_standin(
 ) -> Path:
     """Write a random-weight checkpoint of ``family`` into ``folder`` and return the folder.
 
-    The folder holds config.json (with ``auto_map``), the family's configuration and modeling files, safetensors
-    weights in ``dtype`` (norm weights 1, every other weight N(0, weight_scale^2) from ``seed``, the mask token's
-    output row zeroed), generation_config.json and a tokenizer whose special tokens sit at the family's real ids.
+    The folder holds config.json (with ``auto_map``), the family's configuration and modeling files with the shared
+    ``layers.py`` they import relatively, safetensors weights in ``dtype`` (norm
+    weights 1, every other weight N(0, weight_scale^2) from ``seed``, the mask token's output row zeroed),
+    generation_config.json and a tokenizer whose special tokens sit at the family's real ids.
     ``block_size`` is SDAR's ``block_size`` (default 4) or Fast-dLLM v2's ``bd_size`` (default 32); LLaDA and
     Dream have no block size.
     """
@@ -291,13 +306,11 @@ def build_standin(
     folder.mkdir(parents=True, exist_ok=True)
     config = {**spec.config(sizes), "torch_dtype": dtype_name(dtype), "dtype": dtype_name(dtype)}
 
-    templates = resources.files(f"{__package__}.templates.{spec.template}")
-    for name in spec.files:
-        (folder / name).write_bytes((templates / name).read_bytes())
+    write_remote_code(spec, folder)
     _write_json(folder / "config.json", config)
     _write_json(folder / "generation_config.json", spec.generation)
 
-    weights = random_weights(meta_model(spec, config), seed, weight_scale, dtype)
+    weights = random_weights(meta_model(spec, folder, config), seed, weight_scale, dtype)
     weights[spec.lm_head][spec.mask_id] = 0
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokenizer = build_tokenizer(spec.tokenizer)

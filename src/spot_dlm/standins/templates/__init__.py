@@ -1,1 +1,4 @@
-"""Remote-code templates of the stand-in checkpoints, one package per family, copied into each folder."""
+"""Remote-code templates of the stand-in checkpoints, copied into each folder: one package per family (its
+configuration and modeling files, its forward interface) and the file they share, ``layers.py`` (norm, rotary
+tables, cache merge, attention, MLP, decoder layer), which the modeling files import relatively
+(``from .layers import ...``) and the builder copies beside them."""

@@ -14,34 +14,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_llada import LLaDAConfig
-
-
-class LLaDARMSNorm(nn.Module):
-    """RMS normalisation over the last axis, computed in at least float32."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * wide.to(x.dtype)
-
-
-def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin tables [B, 1, N, D] for positions [B, N] (angles computed in float64)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
-    angles = positions.to(torch.float64)[..., None] * theta**-exponents  # [B, N, D/2]
-    angles = torch.cat([angles, angles], dim=-1)[:, None]  # [B, 1, N, D]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, H, N, D] by the position angles (half-split convention)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+from .layers import RMSNorm, apply_rotary, rotary_tables
 
 
 class LLaDABlock(nn.Module):
@@ -52,12 +25,12 @@ class LLaDABlock(nn.Module):
         d_model, heads, kv_heads = config.d_model, config.n_heads, config.n_kv_heads
         self.head_dim = d_model // heads
         self.groups = heads // kv_heads
-        self.attn_norm = LLaDARMSNorm(d_model, config.rms_norm_eps)
+        self.attn_norm = RMSNorm(d_model, config.rms_norm_eps)
         self.q_proj = nn.Linear(d_model, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, kv_heads * self.head_dim, bias=False)
         self.attn_out = nn.Linear(heads * self.head_dim, d_model, bias=False)
-        self.ff_norm = LLaDARMSNorm(d_model, config.rms_norm_eps)
+        self.ff_norm = RMSNorm(d_model, config.rms_norm_eps)
         self.ff_proj = nn.Linear(d_model, config.mlp_hidden_size, bias=False)
         self.up_proj = nn.Linear(d_model, config.mlp_hidden_size, bias=False)
         self.ff_out = nn.Linear(config.mlp_hidden_size, d_model, bias=False)
@@ -94,7 +67,7 @@ class LLaDAModel(nn.Module):
             {
                 "wte": nn.Embedding(config.embedding_size, config.d_model),
                 "blocks": nn.ModuleList(LLaDABlock(config) for _ in range(config.n_layers)),
-                "ln_f": LLaDARMSNorm(config.d_model, config.rms_norm_eps),
+                "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
                 "ff_out": nn.Linear(config.d_model, config.embedding_size, bias=False),
             }
         )
