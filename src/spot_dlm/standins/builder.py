@@ -140,7 +140,7 @@ def _fast_dllm_v2_config(sizes: Sizes) -> dict:
     }
 
 
-QWEN_SHARED = ("layers.py",)
+QWEN_SHARED = ("configuration_base.py", "layers.py")
 _QWEN_ROLES = {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}
 
 SPECS: dict[str, Family] = {
@@ -291,7 +291,7 @@ def build_standin(
     """Write a random-weight checkpoint of ``family`` into ``folder`` and return the folder.
 
     The folder holds config.json (with ``auto_map``), the family's configuration and modeling files with the shared
-    ``layers.py`` they import relatively, safetensors weights in ``dtype`` (norm
+    ``layers.py`` (and ``configuration_base.py``) they import relatively, safetensors weights in ``dtype`` (norm
     weights 1, every other weight N(0, weight_scale^2) from ``seed``, the mask token's output row zeroed),
     generation_config.json and a tokenizer whose special tokens sit at the family's real ids.
     ``block_size`` is SDAR's ``block_size`` (default 4) or Fast-dLLM v2's ``bd_size`` (default 32); LLaDA and
