@@ -115,6 +115,22 @@ def test_folder_config_and_generation_config(folders, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_remote_code_imports_only_files_of_the_folder(folders, family):
+    """The family's files import the shared layers (and configuration base) relatively; all of them sit in the
+    folder, so transformers copies them into its module cache beside the family's files."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    folder = folders[family]
+    config = json.loads((folder / "config.json").read_text())
+    for reference in config["auto_map"].values():
+        needed = get_relative_import_files(folder / f"{reference.split('.')[0]}.py")
+        assert all(Path(path).is_file() and Path(path).parent == folder for path in needed)
+    modeling = next(name for name in config["auto_map"].values() if "modeling" in name).split(".")[0]
+    assert {Path(path).name for path in get_relative_import_files(folder / f"{modeling}.py")} >= {"layers.py"}
+    assert (folder / "layers.py").read_bytes() == (folders["sdar"] / "layers.py").read_bytes()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tokenizer_special_ids_text_and_chat_template(loaded, family):
     _, tokenizer = loaded[family]
     assert len(tokenizer) == VOCAB[family]
