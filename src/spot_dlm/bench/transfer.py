@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -206,10 +207,10 @@ def transfer_table(paths: list[Path]) -> str:
         transfer = report["transfer"]
         groups: dict[tuple, dict] = {}
         for row in report["results"]:
-            if row["method"] != "standard":
-                key = (row["temperature"], row["drafter_name"], row["method"], row["drafter"])
-                groups.setdefault(key, {})[row["budget"]] = row["passes_ratio_vs_standard"]
-        for (temperature, name, _, drafter), ratios in groups.items():
+            if row["method"] != "standard":  # rows that ran the same parts (a folder without a fit) are one line
+                key = (row["temperature"], row["drafter_name"], row["drafter"])
+                groups.setdefault(key, {}).setdefault(row["budget"], row["passes_ratio_vs_standard"])
+        for (temperature, name, drafter), ratios in groups.items():
             info = transfer["drafters"].get(name, {})
             cells = [
                 transfer["target"],
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {"trust_remote_code": True} if args.trust_remote_code else None
     target, codec = load_target(args.model, hf_options=options)
     report = run_transfer(target, codec, bench, drafters, args.shards, args.name, trained_on)
-    report["reproduce"] = ["python -m spot_dlm.bench.transfer " + " ".join(sys.argv[1:] if argv is None else argv)]
+    report["reproduce"] = ["python -m spot_dlm.bench.transfer " + shlex.join(sys.argv[1:] if argv is None else argv)]
     report["reproduce_bench"] = reproduce_command(bench)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
