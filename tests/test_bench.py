@@ -12,19 +12,10 @@ import pytest
 import torch
 
 from spot_dlm.api import GenerateConfig, generate
+from spot_dlm.bench.output import best_budget_lines, best_budgets, format_table, reproduce_command, round_ending_lines
 from spot_dlm.bench.plots import acceptance_by_depth, plot_report
 from spot_dlm.bench.rows import THRESHOLD_FAMILY
-from spot_dlm.bench.run import (
-    SPECULATIVE,
-    BenchConfig,
-    best_budget_lines,
-    best_budgets,
-    format_table,
-    longest_repeat,
-    reproduce_command,
-    round_ending_lines,
-    run_bench,
-)
+from spot_dlm.bench.run import SPECULATIVE, BenchConfig, longest_repeat, run_bench
 from spot_dlm.cli import build_parser, main
 from spot_dlm.drafters.calibrated import save_rank_counts
 from spot_dlm.drafters.folder import save_order_model
@@ -469,7 +460,7 @@ def test_variants_of_sets_methods_are_compared_with_their_threshold_rule() -> No
 
 
 def test_merge_reports_keeps_every_row_and_config() -> None:
-    from spot_dlm.bench.run import merge_reports
+    from spot_dlm.bench.output import merge_reports
 
     a = {"config": {"t": 0}, "machine": "m", "torch_threads": 1, "reproduce": "x", "results": [{"r": 1}]}
     b = {"config": {"t": 1}, "machine": "m", "torch_threads": 1, "reproduce": "y", "results": [{"r": 2}, {"r": 3}]}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spot_dlm.api import GenerateConfig, generate, load_target, resolve_device
-from spot_dlm.bench.run import machine_description
+from spot_dlm.bench.output import machine_description
 from spot_dlm.bench.verify_cost import (
     VerifyCostConfig,
     format_verify_table,

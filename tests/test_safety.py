@@ -378,7 +378,7 @@ def test_spot_decoding_is_safe_from_several_threads_on_one_target() -> None:
 
 
 def test_an_interrupted_report_write_leaves_the_old_report_whole(monkeypatch, tmp_path: Path) -> None:
-    from spot_dlm.bench.run import write_report
+    from spot_dlm.bench.output import write_report
 
     path = tmp_path / "report.json"
     path.write_text('{"results": "measured before"}')

@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from spot_dlm.api import load_target
-    from spot_dlm.bench.run import reproduce_command
+    from spot_dlm.bench.output import reproduce_command
 
     torch.set_num_threads(args.threads)
     out = Path(args.json)

@@ -103,7 +103,7 @@ def time_score(target: BuiltinTarget, cache, n_nodes: int, block_length: int, re
 def measure_verify_cost(config: VerifyCostConfig, progress: bool = True) -> dict:
     """Median milliseconds per verification pass for every shape x node count, and the ratio to one node."""
     from spot_dlm.api import resolve_device
-    from spot_dlm.bench.run import machine_description
+    from spot_dlm.bench.output import machine_description
 
     device = resolve_device(config.device)
     rows = []

@@ -114,8 +114,9 @@ def _add_report(sub) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from spot_dlm.bench.output import format_table, reproduce_command, write_report
     from spot_dlm.bench.plots import plot_report
-    from spot_dlm.bench.run import BenchConfig, format_table, reproduce_command, run_bench, write_report
+    from spot_dlm.bench.run import BenchConfig, run_bench
     from spot_dlm.distributed import process_group
 
     check_reports(args)
@@ -158,8 +159,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bench_merge(args: argparse.Namespace) -> int:
+    from spot_dlm.bench.output import format_table, merge_reports, write_report
     from spot_dlm.bench.plots import plot_report
-    from spot_dlm.bench.run import format_table, merge_reports, write_report
 
     check_reports(args)
     reports = []
@@ -178,7 +179,7 @@ def _bench_merge(args: argparse.Namespace) -> int:
 
 
 def _verify_cost(args: argparse.Namespace) -> int:
-    from spot_dlm.bench.run import write_report
+    from spot_dlm.bench.output import write_report
     from spot_dlm.bench.verify_cost import (
         VerifyCostConfig,
         format_verify_table,
