@@ -11,16 +11,13 @@ Two measures per (target, drafter), both on the target's own trajectories and pr
 
 ``transfer_table`` turns such reports into one Markdown table. From the command line::
 
-    python -m spot_dlm.bench.transfer run --model M --drafter shipped=builtin --drafter own=DIR --shards DIR ...
-    python -m spot_dlm.bench.transfer table docs/results/transfer/*.json
+    spot-dlm transfer run --model M --drafter shipped=builtin --drafter own=DIR --shards DIR ... --json R.json
+    spot-dlm transfer table docs/results/transfer/*.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -224,62 +221,3 @@ def transfer_table(paths: list[Path]) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m spot_dlm.bench.transfer", description=__doc__.split("\n")[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="bench rows once per drafter on one target; held-out accuracy")
-    run.add_argument("--model", default="builtin")
-    run.add_argument("--name", help="the target's name in the table (default: --model)")
-    run.add_argument("--trust-remote-code", action="store_true")
-    run.add_argument("--drafter", action="append", required=True, help="NAME=FOLDER ('builtin': the shipped one)")
-    run.add_argument("--trained-on", action="append", default=[], help="NAME=TEXT: what that drafter was trained on")
-    run.add_argument("--shards", help="the target's trajectory folder (held-out next-commit accuracy)")
-    run.add_argument("--methods", default="standard,spot")
-    run.add_argument("--budgets", default="2,16,64")
-    run.add_argument("--temperatures", default="0,1")
-    run.add_argument("--n-prompts", type=int, default=8)
-    run.add_argument("--block-length", type=int, default=32)
-    run.add_argument("--gen-length", type=int, default=64)
-    run.add_argument("--threads", type=int, default=1)
-    run.add_argument("--json", required=True)
-    table = commands.add_parser("table", help="the Markdown table of transfer reports")
-    table.add_argument("paths", nargs="+")
-    args = parser.parse_args(argv)
-    if args.command == "table":
-        sys.stdout.write(transfer_table([Path(p) for p in args.paths]))
-        return 0
-    import torch
-
-    from spot_dlm.api import load_target
-    from spot_dlm.bench.output import reproduce_command
-
-    torch.set_num_threads(args.threads)
-    out = Path(args.json)
-    if out.exists():
-        raise SystemExit(f"{out} exists; remove it first")
-    drafters = dict(item.split("=", 1) for item in args.drafter)
-    trained_on = dict(item.split("=", 1) for item in args.trained_on)
-    bench = BenchConfig(
-        methods=tuple(args.methods.split(",")),
-        budgets=tuple(int(b) for b in args.budgets.split(",")),
-        temperatures=tuple(float(t) for t in args.temperatures.split(",")),
-        n_prompts=args.n_prompts,
-        block_length=args.block_length,
-        gen_length=args.gen_length,
-        model=args.model,
-    )
-    options = {"trust_remote_code": True} if args.trust_remote_code else None
-    target, codec = load_target(args.model, hf_options=options)
-    report = run_transfer(target, codec, bench, drafters, args.shards, args.name, trained_on)
-    report["reproduce"] = ["python -m spot_dlm.bench.transfer " + shlex.join(sys.argv[1:] if argv is None else argv)]
-    report["reproduce_bench"] = reproduce_command(bench)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    sys.stdout.write(transfer_table([out]))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

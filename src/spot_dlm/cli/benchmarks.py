@@ -25,6 +25,7 @@ def add_parsers(sub) -> None:
     _add_verify_cost(sub)
     _add_project(sub)
     _add_report(sub)
+    _add_transfer(sub)
 
 
 def _add_bench(sub) -> None:
@@ -240,3 +241,95 @@ def _report(args: argparse.Namespace) -> int:
 
     print(results_markdown([Path(f) for f in args.files]), end="")
     return 0
+
+
+def _add_transfer(sub) -> None:
+    transfer = sub.add_parser(
+        "transfer", help="drafters run unchanged on another target: held-out next-commit accuracy and bench rows"
+    )
+    commands = transfer.add_subparsers(dest="transfer_command", required=True)
+    run = commands.add_parser("run", help="bench rows once per drafter on one target, and each one's accuracy")
+    run.add_argument("--model", default="builtin")
+    run.add_argument("--name", help="the target's name in the table (default: --model)")
+    run.add_argument("--trust-remote-code", action="store_true")
+    run.add_argument("--drafter", action="append", required=True, help="NAME=FOLDER ('builtin': the shipped one)")
+    run.add_argument("--trained-on", action="append", default=[], help="NAME=TEXT: what that drafter was trained on")
+    run.add_argument("--shards", help="the target's trajectory folder (held-out next-commit accuracy)")
+    run.add_argument("--methods", type=csv(str), default=("standard", "spot"))
+    run.add_argument("--budgets", type=csv(int), default=(2, 16, 64))
+    run.add_argument("--temperatures", type=csv(float), default=(0.0, 1.0))
+    run.add_argument("--n-prompts", type=int, default=8)
+    run.add_argument("--block-length", type=int, default=32)
+    run.add_argument("--gen-length", type=int, default=64)
+    add_threads_option(run, default=1)
+    run.add_argument("--json", required=True)
+    add_force_option(run, "an existing --json report")
+    run.set_defaults(func=_transfer_run)
+    table = commands.add_parser("table", help="the Markdown table of transfer reports")
+    table.add_argument("paths", nargs="+")
+    table.set_defaults(func=_transfer_table)
+
+
+def _transfer_table(args: argparse.Namespace) -> int:
+    from spot_dlm.bench.transfer import transfer_table
+
+    print(transfer_table([Path(p) for p in args.paths]), end="")
+    return 0
+
+
+def _pairs(items: list[str], option: str) -> dict[str, str]:
+    """NAME=VALUE items -> {NAME: VALUE}."""
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{option} takes NAME=VALUE, got {item!r}")
+        pairs[name] = value
+    return pairs
+
+
+def _transfer_run(args: argparse.Namespace) -> int:
+    from spot_dlm.api import load_target
+    from spot_dlm.bench.output import reproduce_command, write_report
+    from spot_dlm.bench.transfer import run_transfer, transfer_table
+    from spot_dlm.safety import check_new_file
+
+    check_new_file(args.json, args.force, "--json")
+    drafters, trained_on = _pairs(args.drafter, "--drafter"), _pairs(args.trained_on, "--trained-on")
+    set_threads(args.threads)
+    bench = BenchConfig(
+        methods=args.methods,
+        budgets=args.budgets,
+        temperatures=args.temperatures,
+        n_prompts=args.n_prompts,
+        block_length=args.block_length,
+        gen_length=args.gen_length,
+        model=args.model,
+    )
+    options = {"trust_remote_code": True} if args.trust_remote_code else None
+    target, codec = load_target(args.model, hf_options=options)
+    report = run_transfer(target, codec, bench, drafters, args.shards, args.name, trained_on)
+    report["reproduce"] = [_transfer_command(args)]
+    report["reproduce_bench"] = reproduce_command(bench)
+    write_report(report, Path(args.json))
+    print(transfer_table([Path(args.json)]), end="")
+    return 0
+
+
+def _transfer_command(args: argparse.Namespace) -> str:
+    """The spot-dlm transfer run command that makes this report again."""
+    import shlex
+
+    words = ["spot-dlm", "transfer", "run", "--model", args.model]
+    words += ["--name", args.name] if args.name else []
+    words += ["--trust-remote-code"] if args.trust_remote_code else []
+    for item in args.drafter:
+        words += ["--drafter", item]
+    for item in args.trained_on:
+        words += ["--trained-on", item]
+    words += ["--shards", args.shards] if args.shards else []
+    words += ["--methods", ",".join(args.methods), "--budgets", ",".join(map(str, args.budgets))]
+    words += ["--temperatures", ",".join(f"{t:g}" for t in args.temperatures), "--n-prompts", str(args.n_prompts)]
+    words += ["--block-length", str(args.block_length), "--gen-length", str(args.gen_length)]
+    words += ["--threads", str(args.threads), "--json", args.json]
+    return shlex.join(words)
