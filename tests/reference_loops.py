@@ -6,7 +6,8 @@ forward, no cache beyond what the authors use, and the authors' numerics: softma
 token left in the vocabulary, and ``torch.topk`` / ``torch.argmax`` / ``.max(-1)`` called on tensors of the same
 shapes as in the authors' code, so that ties break the same way.
 
-Each function returns (the ids after the prompt as list[int], the number of model forwards made).
+Each function returns (the ids after the prompt as list[int], the number of model forwards made). Every family's
+loop is in this one file, longer than most, so that they read side by side.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The benchmark: answer extraction, run_bench on a tiny random target, the report table, plots and the CLI."""
+"""The benchmark: answer extraction, run_bench on a tiny random target, the report table, plots and the CLI (one
+module, longer than most: they share the tiny target and its trained drafter folder)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,9 @@ stale guesses are rarely accepted at T = 0 and the property would hold trivially
 variants scale attention and output weights so that stale guesses often survive and trees are accepted several
 nodes deep (asserted below). A negative control (verifying with the noise of the wrong step) shows that the checks
 can fail.
+
+One module, longer than most: every drafter is checked against the same cases, targets and rules, and the drafter
+table (``make_drafter``) is read best in one place.
 """
 
 from __future__ import annotations
