@@ -22,7 +22,7 @@ from tqdm import tqdm
 from spot_dlm.decode import DecodeSettings, Drafter, NoDrafter, decode_ids
 from spot_dlm.drafters.folder import DrafterFolder
 from spot_dlm.drafters.spot import DEFAULT_CONFIDENCE_PRIOR
-from spot_dlm.models.base import Target
+from spot_dlm.models.base import Codec, Target
 from spot_dlm.noise import NoiseKey
 from spot_dlm.rules import CONFIDENCE_KINDS, CommitRule
 from spot_dlm.tree import DEFAULT_DEPTH
@@ -71,11 +71,10 @@ def uses_small_order_model(config: GenerateConfig, target: Target, folder: Draft
     ``auto`` takes the small one for a target on the CPU when the folder has one: there the order model's compute
     is a visible share of each round next to a small target, while on a GPU both sizes cost about one launch
     sequence and the larger one predicts better."""
-    has_small = folder.has_small_order_model()
-    if config.order_model == "small" and not has_small:
-        raise ValueError(f"no small order model in {folder.path} (expected {folder.small}/drafter_config.json)")
-    auto_small = config.order_model == "auto" and target.device.type == "cpu"
-    return has_small and (config.order_model == "small" or auto_small)
+    if config.order_model == "small":
+        folder.require_small_order_model()
+        return True
+    return config.order_model == "auto" and target.device.type == "cpu" and folder.has_small_order_model()
 
 
 def runs_order_model(config: GenerateConfig, target: Target, corrected: bool) -> bool:
@@ -416,7 +415,7 @@ def make_drafter(config: GenerateConfig, target: Target) -> Drafter:
     return NoDrafter() if factory is None else factory(config, target)
 
 
-def encode_prompt(prompt: str, codec, config: GenerateConfig, target: Target) -> torch.Tensor:
+def encode_prompt(prompt: str, codec: Codec, config: GenerateConfig, target: Target) -> torch.Tensor:
     if not prompt or not prompt.strip():
         raise ValueError("empty prompt")
     ids = codec.encode_prompt(prompt) if config.apply_template else codec.encode(prompt)
@@ -444,7 +443,7 @@ def generate(
     prompts: Sequence[str],
     config: GenerateConfig,
     target: Target,
-    codec,
+    codec: Codec,
     drafter: Drafter | None = None,
     progress: bool = False,
     first_request: int = 0,

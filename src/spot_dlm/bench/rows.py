@@ -62,12 +62,7 @@ def _option_value(row: str, key: str, text: str):
     return text
 
 
-def row_method(row: str) -> str:
-    """The method of a row (its options left out)."""
-    return parse_row(row)[0]
-
-
 def threshold_family(row: str) -> str | None:
     """The drafter-free threshold rule a row is compared with (None: compared with standard decoding)."""
-    method = row_method(row)
+    method = parse_row(row)[0]
     return THRESHOLD_FAMILY.get(method) or (method if method in ("threshold", "dynamic") else None)

@@ -64,6 +64,11 @@ class DrafterFolder:
     def has_small_order_model(self) -> bool:
         return (self.small / DRAFTER_CONFIG_FILE).is_file()
 
+    def require_small_order_model(self) -> None:
+        """A ValueError naming the file expected when the folder has no small order model."""
+        if not self.has_small_order_model():
+            raise ValueError(f"no small order model in {self.path} (expected {self.small / DRAFTER_CONFIG_FILE})")
+
     def order_model(self, small: bool = False) -> FrozenOrderModel:
         """The order model (or sets model), on the folder's device, frozen for drafting."""
         from spot_dlm.drafters.order_net import freeze_order_model
@@ -149,9 +154,8 @@ def check_drafter_folder(method: str, folder: str | Path | None, order_model: st
         config = read_drafter_config(place)
         if config is not None:
             check_drafter_kind(config, sets, place)
-    if order_model == "small" and not DrafterFolder(folder, folder).has_small_order_model():
-        small = folder / SMALL_ORDER_MODEL / DRAFTER_CONFIG_FILE
-        raise ValueError(f"no small order model in {folder} (expected {small})")
+    if order_model == "small":
+        DrafterFolder(folder, folder).require_small_order_model()
     if token_lm and not (folder / TOKEN_LM_FIT_FILE).is_file():
         raise ValueError(
             f"--token-lm: {folder} has no token LM ({TOKEN_LM_FIT_FILE}; spot-dlm fit-token-survival --token-lm "

@@ -41,24 +41,31 @@ def survival_fits(folder: Path, token_lm: bool) -> tuple[str, ...]:
     return (SURVIVAL_FILE, NEIGHBOUR_FIT_FILE) if (folder / BIGRAM_FILE).is_file() else (SURVIVAL_FILE,)
 
 
+def _bigram_corrector(folder: Path, vocab_size: int):
+    """The folder's bigram as a NeighbourTokens with unit weights (its weights are fitted), or None without one."""
+    from spot_dlm.drafters.neighbours import NeighbourTokens, load_bigram
+
+    bigram = load_bigram(folder, vocab_size)
+    return None if bigram is None else NeighbourTokens(bigram, 1.0, 1.0)
+
+
 def fit_survival_into(
     folder: Path, target, codec, prompts, shape: dict, temperature: float, seed: int, say=print
 ) -> None:
     """Fit how often the stale guesses survive at T = 0 and at ``temperature`` (and, where the folder has a bigram,
     the neighbour correction's weights and survival). ``shape``: block_length and gen_length."""
-    from spot_dlm.drafters.neighbours import NeighbourTokens, load_bigram, save_neighbour_fit
+    from spot_dlm.drafters.neighbours import save_neighbour_fit
     from spot_dlm.drafters.token_survival import save_token_survival
     from spot_dlm.train.token_survival import fit_token_survival, observe
 
-    bigram = load_bigram(folder, target.vocab_size)
-    corrector = None if bigram is None else NeighbourTokens(bigram, 1.0, 1.0)  # weights fitted below
+    corrector = _bigram_corrector(folder, target.vocab_size)
     greedy = observe(target, codec, prompts, 0.0, seed, corrector=corrector, **shape)
     sampled = observe(target, codec, prompts, temperature, seed, corrector=corrector, **shape)
     survival = fit_token_survival(greedy, sampled)
     say(SURVIVAL_HEADER)
     _say_survival(say, "stale", survival, greedy, sampled, lambda obs, d: obs.arrays(d)[1])
     say(f"wrote {save_token_survival(survival, folder)}")
-    if bigram is not None:
+    if corrector is not None:
         weights, corrected = _fit_correction(say, "neighbour", greedy, sampled)
         say(f"wrote {save_neighbour_fit(weights, corrected, folder)}")
 
@@ -78,16 +85,14 @@ def fit_token_lm_into(
 ) -> None:
     """Install the small LM in ``source`` into the drafter folder and fit its correction, with the folder's bigram
     (if any) as a second part; the other fits stay as they are."""
-    from spot_dlm.drafters.neighbours import NeighbourTokens, load_bigram
     from spot_dlm.drafters.token_lm import TokenLM, install_token_lm, load_small_lm, save_token_lm_fit
     from spot_dlm.train.token_survival import observe
 
     if not (source / "config.json").is_file():
         raise ValueError(f"token LM checkpoint not found: {source} (a folder of the built-in architecture)")
-    bigram = load_bigram(folder, target.vocab_size)
-    corrector = None if bigram is None else NeighbourTokens(bigram, 1.0, 1.0)
     small = load_small_lm(source, target, device)
-    lm = TokenLM(small, 1.0, 1.0, window=window, bigram=corrector)  # weights fitted below
+    bigram = _bigram_corrector(folder, target.vocab_size)
+    lm = TokenLM(small, 1.0, 1.0, window=window, bigram=bigram)  # weights fitted below
     greedy = observe(target, codec, prompts, 0.0, seed, corrector=lm, **shape)
     sampled = observe(target, codec, prompts, temperature, seed, corrector=lm, **shape)
     say(SURVIVAL_HEADER)
